@@ -1,0 +1,278 @@
+"""Run configuration: typed dataclasses, a YAML file, dotted command-line overrides.
+
+``load_config("run.yaml", ["trainer.lr=1e-5", "rollout.n=8"])`` validates everything up
+front; an unknown key or a value of the wrong type is an error naming the key path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config; the message starts with the key path."""
+
+
+@dataclass
+class ModelSection:
+    path: str | None = None  # an HF folder; None: use (and if needed build) the SFT base of the task
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Architecture of the tiny model trained from scratch by `rhymerl sft`.
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    model_type: str = "llama"
+
+
+@dataclass
+class DataSection:
+    task: str = "arith"  # built-in task, used when train_files is empty
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    num_train: int = 2000
+    num_val: int = 200
+    reward_file: str | None = None  # a Python file with compute_score(...)
+    reward_fn_name: str = "compute_score"
+
+
+@dataclass
+class SFTSection:
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    num_examples: int = 20000
+    eval_prompts: int = 200
+    max_minutes: float = 4.5  # stop early (and say so) rather than overrun the time budget
+    output_dir: str = "checkpoints/sft-{task}-seed{seed}"
+
+
+@dataclass
+class SpeculativeSection:
+    method: str = "history"  # none | history | ngram
+    max_draft: int = 16
+    tree_budget: int = 0  # >0: tree drafts with this many nodes
+    length_policy: str = "additive"  # additive (paper) | multiplicative (release)
+    min_prob: float = 0.1
+    pattern_max: int = 7
+    pattern_min: int = 3
+    siblings: bool = True
+    history_epochs: int = 1
+
+
+@dataclass
+class RolloutSection:
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 160
+    max_num_seqs: int = 256
+    max_model_len: int = 256
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+
+
+@dataclass
+class AlgorithmSection:
+    adv_estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_plus_plus_baseline
+    norm_adv_by_std: bool = True
+    policy_loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0  # dual-clip
+    loss_agg_mode: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    use_kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = False
+    max_resample_batches: int = 3
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+
+@dataclass
+class TrainerSection:
+    steps: int = 40
+    batch_prompts: int = 32
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    ppo_mini_batches: int = 1
+    micro_batch_size: int = 64
+    save_every: int = 10
+    eval_every: int = 10
+    max_bad_steps: int = 3
+    output_dir: str = "runs/{task}-seed{seed}"
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    return value
+
+
+def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            where = f"{prefix}.{k}" if prefix else k
+            raise ConfigError(f"{where}: unknown key (valid keys here: {sorted(names)})")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        nxt = d.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        d = nxt
+    d[parts[-1]] = value
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.task": None,  # checked against the task registry below
+    "rollout.speculative.method": ("none", "history", "ngram"),
+    "rollout.speculative.length_policy": ("additive", "multiplicative"),
+    "algorithm.adv_estimator": ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"),
+    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "algorithm.kl_type": ("k1", "low_var_kl"),
+    "trainer.lr_schedule": ("constant", "cosine"),
+}
+
+
+def _validate(cfg: RunConfig) -> None:
+    from rhymerl.tasks import TASKS
+
+    flat = _flatten(cfg.to_dict())
+    for key, choices in _CHOICES.items():
+        if choices is not None and flat[key] not in choices:
+            raise ConfigError(f"{key}: {flat[key]!r} is not one of {choices}")
+    if not cfg.data.train_files and cfg.data.task not in TASKS:
+        raise ConfigError(f"data.task: unknown task {cfg.data.task!r} (built-in: {sorted(TASKS)})")
+    positive = ["rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
+                "trainer.batch_prompts", "trainer.micro_batch_size", "sft.batch_size", "trainer.ppo_epochs",
+                "trainer.ppo_mini_batches"]
+    for key in positive:
+        if flat[key] <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {flat[key]}")
+    if cfg.rollout.temperature < 0:
+        raise ConfigError(f"rollout.temperature: must be >= 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(f"rollout.max_tokens: {cfg.rollout.max_tokens} leaves no room for the prompt within "
+                          f"rollout.max_model_len={cfg.rollout.max_model_len}")
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Build a validated :class:`RunConfig` from an optional YAML file and ``key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML ({e})") from e
+        except FileNotFoundError as e:
+            raise ConfigError(f"{path}: config file not found") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        data = loaded or {}
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"{ov}: override must look like key.path=value")
+        key, raw = ov.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    cfg = _build(RunConfig, data, "")
+    _validate(cfg)
+    return cfg
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

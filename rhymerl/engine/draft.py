@@ -1,0 +1,56 @@
+"""The interface between the engine and a drafter: token trees to verify."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence as Seq
+
+from rhymerl.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Candidate continuations of one sequence, verified together in one forward pass.
+
+    Node ``i`` carries ``tokens[i]``; ``parents[i]`` is the index of its parent node, or -1
+    when it continues the sequence's last token directly. Parents come before children,
+    and siblings carry distinct tokens. A path draft is the chain ``parents = [-1, 0, 1, ...]``.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("DraftTree: tokens and parents differ in length")
+        seen: set[tuple[int, int]] = set()
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            if not -1 <= p < i:
+                raise ValueError(f"DraftTree: node {i} has parent {p}; parents must precede children")
+            if (p, t) in seen:
+                raise ValueError(f"DraftTree: node {i} repeats token {t} under parent {p}")
+            seen.add((p, t))
+
+    @staticmethod
+    def path(tokens: Seq[int]) -> "DraftTree":
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Proposer(Protocol):
+    """What the engine asks of a drafter each decode step."""
+
+    max_nodes: int  # the most draft nodes any tree may have (sizes the KV headroom)
+
+    def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
+        """One tree (or None) per running sequence, in slot order."""
+        ...
+
+    def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
+        """What verification accepted, to adapt draft lengths."""
+        ...
+
+    def on_finish(self, seq: Sequence) -> None:
+        """A sequence finished (its response may enter the history)."""
+        ...

@@ -1,0 +1,142 @@
+"""``LLM``: the user-facing rollout engine, vLLM-style."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from tqdm.auto import tqdm
+
+from rhymerl.device import resolve_device, resolve_dtype
+from rhymerl.engine.draft import Proposer
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.llm_engine import LLMEngine
+from rhymerl.engine.outputs import RequestOutput
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.model import CausalLM, load_pretrained
+
+
+class LLM:
+    """Generate with continuous batching over a preallocated KV cache.
+
+    Args:
+        model: an HF-format folder (weights and tokenizer) or a :class:`CausalLM`.
+        tokenizer: needed with a model object when prompts are strings or text is wanted.
+        max_num_seqs: the most sequences decoded together.
+        max_model_len: prompt plus response tokens per sequence.
+        kv_cache_tokens: KV memory budget in tokens (default: room for ``max_num_seqs``
+            full-length sequences); fewer slots than ``max_num_seqs`` make requests wait.
+        speculative: ``None`` or a dict such as ``{"method": "history", "max_draft": 16}``
+            (see :func:`rhymerl.drafting.build_proposer`), or a ready :class:`Proposer`.
+        seed: seeds the draws of requests whose ``SamplingParams.seed`` is None.
+    """
+
+    def __init__(self, model: str | Path | CausalLM, *, tokenizer: Any = None, max_num_seqs: int = 64,
+                 max_model_len: int = 512, kv_cache_tokens: int | None = None, device: str = "auto",
+                 dtype: str | torch.dtype = "float32", speculative: Mapping[str, Any] | Proposer | None = None,
+                 seed: int = 0) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        if isinstance(model, (str, Path)):
+            from rhymerl.tokenizer import load_tokenizer
+
+            tokenizer = tokenizer or load_tokenizer(model)
+            model = load_pretrained(model, device=self.device, dtype=self.dtype)
+        else:
+            model = model.to(device=self.device, dtype=self.dtype)
+        self.model: CausalLM = model.eval()
+        self.tokenizer = tokenizer
+        proposer = self._build_proposer(speculative)
+        capacity = max_model_len + ((proposer.max_nodes + 1) if proposer is not None else 1)
+        num_slots = max_num_seqs if kv_cache_tokens is None else min(max_num_seqs, kv_cache_tokens // capacity)
+        if num_slots < 1:
+            raise ValueError(f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of "
+                             f"max_model_len={max_model_len} (+{capacity - max_model_len} draft headroom)")
+        eos: list[int] = []
+        if tokenizer is not None:
+            from rhymerl.tokenizer import eos_ids
+
+            eos = eos_ids(tokenizer)
+        elif model.config.eos_token_id is not None:
+            e = model.config.eos_token_id
+            eos = list(e) if isinstance(e, list) else [e]
+        detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+        self.engine = LLMEngine(self.model, num_slots=num_slots, max_model_len=max_model_len,
+                                device=self.device, dtype=self.dtype, eos_token_ids=eos,
+                                proposer=proposer, detokenize=detok)
+        self._rng = random.Random(seed)
+
+    def _build_proposer(self, speculative: Mapping[str, Any] | Proposer | None) -> Proposer | None:
+        if speculative is None:
+            return None
+        if hasattr(speculative, "propose"):
+            return speculative  # type: ignore[return-value]
+        spec = dict(speculative)  # type: ignore[arg-type]
+        if spec.get("method", "none") == "none":
+            return None
+        from rhymerl.drafting import build_proposer
+
+        return build_proposer(spec)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.engine.proposer
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        c = self.engine.cache
+        return c.num_slots * c.capacity * KVCache.bytes_per_token(self.model.config, self.dtype)
+
+    def _encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)  # type: ignore[arg-type]
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: pass LLM(..., tokenizer=...)")
+        from rhymerl.tokenizer import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt)  # type: ignore[arg-type]
+
+    def generate(self, prompts: Iterable[str | list[int]], sampling_params: SamplingParams |
+                 list[SamplingParams] | None = None, *, prompt_keys: list[str] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        ``prompt_keys`` name each prompt stably across calls (a dataset index): drafters
+        that learn from history look it up by this key.
+        """
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        if prompt_keys is not None and len(prompt_keys) != len(prompts):
+            raise ValueError(f"{len(prompt_keys)} prompt_keys for {len(prompts)} prompts")
+        rids = []
+        for i, (pr, sp) in enumerate(zip(prompts, plist)):
+            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
+            key = prompt_keys[i] if prompt_keys is not None else None
+            rids.append(self.engine.add_request(self._encode(pr), sp, seed, key))
+        bar = tqdm(total=len(rids), desc="rollout", unit="req", disable=not use_tqdm, leave=False)
+        done = sum(self.engine.requests[r].finished for r in rids)
+        bar.update(done)
+        while self.engine.has_unfinished():
+            finished = self.engine.step()
+            bar.update(len(finished))
+        bar.close()
+        return [self.engine.pop_request(r) for r in rids]
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Copy new policy weights in place (HF parameter names); the KV memory is kept."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        params = dict(self.model.named_parameters())
+        if self.model.config.tie_word_embeddings:
+            params.setdefault("lm_head.weight", self.model.lm_head.weight)
+        for name, t in items:
+            if name not in params:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            p = params[name]
+            if p.shape != t.shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, model has {tuple(p.shape)}")
+            p.copy_(t.to(device=p.device, dtype=p.dtype))

@@ -1,0 +1,163 @@
+"""The engine loop: add requests, ``step()`` until done. One step = schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rhymerl.engine.draft import Proposer
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.model_runner import ModelRunner
+from rhymerl.engine.outputs import CompletionOutput, RequestOutput
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.scheduler import Scheduler
+from rhymerl.engine.sequence import Sequence
+from rhymerl.model import CausalLM
+
+
+@dataclass
+class EngineStats:
+    """Counters since the last reset; machine-independent where possible."""
+
+    forwards: int = 0  # decode forward passes (prefills counted apart)
+    prefills: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    step_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def accepted_per_forward(self) -> float:
+        """Tokens emitted per sequence per decode forward (1.0 without speculation)."""
+        rows = sum(self.batch_sizes)
+        return (rows + self.accepted) / rows if rows else 0.0
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, *, num_slots: int, max_model_len: int, device: torch.device,
+                 dtype: torch.dtype, eos_token_ids: list[int], proposer: Proposer | None = None,
+                 detokenize=None) -> None:
+        self.model, self.device, self.dtype = model, device, dtype
+        self.max_model_len = max_model_len
+        self.proposer = proposer
+        headroom = (proposer.max_nodes + 1) if proposer is not None else 1
+        self.cache = KVCache(model.config, num_slots, max_model_len + headroom, device, dtype)
+        self.runner = ModelRunner(model, self.cache, device)
+        self.scheduler = Scheduler(self.cache)
+        self.eos_token_ids = list(eos_token_ids)
+        self.detokenize = detokenize
+        self.requests: dict[int, RequestOutput] = {}
+        self._seqs: dict[int, list[Sequence]] = {}
+        self._next_id = 0
+        self.stats = EngineStats()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seed: int,
+                    prompt_key: str | None = None) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        out = RequestOutput(request_id=rid, prompt_token_ids=list(prompt_ids), prompt_key=prompt_key)
+        self.requests[rid] = out
+        if len(prompt_ids) == 0:
+            out.error = "empty prompt"
+            return rid
+        if len(prompt_ids) >= self.max_model_len:
+            out.error = (f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                         f"max_model_len={self.max_model_len}")
+            return rid
+        seqs = [Sequence(rid, i, list(prompt_ids), params, seed, prompt_key) for i in range(params.n)]
+        out.outputs = [CompletionOutput(i, [], "", None) for i in range(params.n)]
+        self._seqs[rid] = seqs
+        self.scheduler.add(seqs)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Admit and prefill new requests, run one decode forward, retire finished ones.
+
+        Returns the requests that finished in this step.
+        """
+        t0 = time.perf_counter()
+        finished: list[Sequence] = []
+        groups = self.scheduler.admit()
+        if groups:
+            self.runner.prefill(groups)
+            self.stats.prefills += 1
+            new = [s for g in groups for s in g]
+            self.stats.generated += len(new)
+            finished += [s for s in new if self._check_stop(s, 1)]
+            self._retire(finished)
+            finished = []
+        running = self.scheduler.running
+        if running:
+            drafts = None
+            if self.proposer is not None:
+                td = time.perf_counter()
+                drafts = self.proposer.propose(running)
+                self.stats.draft_s += time.perf_counter() - td
+            res = self.runner.decode(running, drafts)
+            self.stats.forwards += 1
+            self.stats.batch_sizes.append(len(running))
+            for s, toks, lps, nd, na in zip(running, res.tokens, res.logprobs, res.drafted, res.accepted):
+                s.num_forwards += 1
+                s.num_drafted += nd
+                s.num_accepted += na
+                before = len(s.output_ids)
+                s.output_ids.extend(toks)
+                s.logprobs.extend(lps)
+                self.stats.drafted += nd
+                if self._check_stop(s, len(toks)):
+                    finished.append(s)
+                self.stats.generated += len(s.output_ids) - before
+                self.stats.accepted += max(0, len(s.output_ids) - before - 1)
+            if self.proposer is not None:
+                self.proposer.observe(running, res.drafted, res.accepted)
+            self._retire(finished)
+        self.stats.step_s += time.perf_counter() - t0
+        done = []
+        for rid in {s.request_id for s in finished}:
+            if self.requests[rid].finished:
+                done.append(self.requests[rid])
+        return done
+
+    def _check_stop(self, s: Sequence, n_new: int) -> bool:
+        """Truncate at a stop token, max_tokens or max_model_len among the ``n_new`` new tokens."""
+        p = s.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        start = len(s.output_ids) - n_new
+        limit = min(p.max_tokens, self.max_model_len - len(s.prompt_ids))
+        for i in range(start, len(s.output_ids)):
+            if s.output_ids[i] in stops:
+                self._finish(s, i + 1, "stop")
+                return True
+            if i + 1 >= limit:
+                self._finish(s, i + 1, "length")
+                return True
+        return False
+
+    def _finish(self, s: Sequence, keep: int, reason: str) -> None:
+        del s.output_ids[keep:]
+        del s.logprobs[keep:]
+        s.finish_reason = reason
+        out = self.requests[s.request_id].outputs[s.sample_index]
+        out.token_ids = list(s.output_ids)
+        out.text = self.detokenize(s.output_ids) if self.detokenize else ""
+        out.finish_reason = reason
+        out.logprobs = list(s.logprobs) if s.params.logprobs else None
+        out.num_forwards, out.num_drafted, out.num_accepted = s.num_forwards, s.num_drafted, s.num_accepted
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        if not finished:
+            return
+        self.scheduler.retire(finished)
+        if self.proposer is not None:
+            for s in finished:
+                self.proposer.on_finish(s)
+
+    def pop_request(self, rid: int) -> RequestOutput:
+        self._seqs.pop(rid, None)
+        return self.requests.pop(rid)

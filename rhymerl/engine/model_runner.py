@@ -1,0 +1,181 @@
+"""Turns scheduled sequences into tensors, runs the model, samples and verifies.
+
+Two kinds of forward pass:
+- ``prefill``: the prompts of newly admitted requests, one row per prompt (its n samples
+  then copy the prompt's K/V), returning the first token of every sample;
+- ``decode``: every running sequence's last token plus, when a drafter is on, a tree of
+  drafted tokens, all scored in one pass under a tree attention mask, then verified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rhymerl.engine.acceptance import walk_tree
+from rhymerl.engine.draft import DraftTree
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.sampler import SamplingBatch, sample
+from rhymerl.engine.sequence import Sequence
+from rhymerl.model import CausalLM
+
+
+@dataclass
+class DecodeResult:
+    """Per sequence: the tokens to emit (accepted drafts + one drawn token) and their log-probs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    drafted: list[int]
+    accepted: list[int]
+
+
+def _sampling_batch(seqs: list[Sequence], positions: torch.Tensor, device: torch.device) -> SamplingBatch:
+    """Parameters for rows laid out ``[len(seqs), K]`` (flattened), output positions given."""
+    K = positions.shape[1]
+    p = [s.params for s in seqs]
+
+    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(K)
+
+    return SamplingBatch(
+        temperature=col([x.temperature for x in p], torch.float32),
+        top_p=col([x.top_p for x in p], torch.float32),
+        top_k=col([x.top_k for x in p], torch.long),
+        seed=col([s.seed for s in seqs], torch.long),
+        sample=col([s.sample_index for s in seqs], torch.long),
+        position=positions.reshape(-1).to(device),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+        self.model, self.cache, self.device = model, cache, device
+        self.num_forwards = 0
+
+    @torch.inference_mode()
+    def prefill(self, groups: list[list[Sequence]]) -> None:
+        """Prefill each group's shared prompt and draw every sample's first token.
+
+        Groups occupy consecutive slots starting at ``groups[0][0].slot``; the prefill
+        rows are written to the first ``len(groups)`` of those slots and then fanned out.
+        """
+        base = groups[0][0].slot
+        lens = [len(g[0].prompt_ids) for g in groups]
+        T = max(lens)
+        ids = torch.zeros(len(groups), T, dtype=torch.long)
+        for i, g in enumerate(groups):
+            ids[i, : lens[i]] = torch.tensor(g[0].prompt_ids)
+        ids = ids.to(self.device)
+        pos = torch.arange(T, device=self.device).expand(len(groups), T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        mask = causal.expand(len(groups), 1, T, T)
+        view = self.cache.view(base, base + len(groups), pos, mask)
+        last = torch.tensor(lens, device=self.device).sub_(1).unsqueeze(1)
+        logits = self.model(ids, pos, view, logits_index=last)[:, 0]  # [G, V]
+        self.num_forwards += 1
+        # Fan the prompt K/V out to every sample's slot; reverse order never overwrites a
+        # prefill row before it is copied (group g's row is at base+g <= its own slots).
+        for gi in range(len(groups) - 1, -1, -1):
+            g = groups[gi]
+            self.cache.fan_out(base + gi, g[0].slot, len(g), lens[gi])
+        rows = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], device=self.device)
+        seqs = [s for g in groups for s in g]
+        batch = _sampling_batch(seqs, torch.zeros(len(seqs), 1, dtype=torch.long), self.device)
+        tokens, logps = sample(logits[rows], batch)
+        for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist()):
+            s.cache_len = len(s.prompt_ids)
+            s.output_ids.append(t)
+            s.logprobs.append(lp)
+            s.num_forwards += 1
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence], drafts: list[DraftTree | None] | None = None) -> DecodeResult:
+        """One forward over all running sequences (slots ``0..B-1``) with optional draft trees."""
+        B = len(seqs)
+        dev = self.device
+        n_nodes = [len(d) if d is not None else 0 for d in drafts] if drafts else [0] * B
+        T = 1 + max(n_nodes)
+        lens = torch.tensor([s.cache_len for s in seqs], dtype=torch.long)
+        gen = torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long)
+        if T == 1:
+            ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
+            depth = torch.zeros(B, 1, dtype=torch.long)
+            tokens = ids.clone()
+            parents = torch.full((B, 1), -1, dtype=torch.long)
+        else:
+            tokens = torch.full((B, T), -1, dtype=torch.long)
+            parents = torch.full((B, T), -1, dtype=torch.long)
+            depth = torch.zeros(B, T, dtype=torch.long)
+            for b, (s, d) in enumerate(zip(seqs, drafts)):  # type: ignore[arg-type]
+                tokens[b, 0] = s.last_token
+                if d is not None and len(d):
+                    n = len(d)
+                    tokens[b, 1:n + 1] = torch.tensor(d.tokens)
+                    par = torch.tensor(d.parents) + 1  # root is node 0
+                    parents[b, 1:n + 1] = par
+                    dep = [0] * (n + 1)
+                    for i, p in enumerate(d.parents):
+                        dep[i + 1] = dep[p + 1] + 1
+                    depth[b, : n + 1] = torch.tensor(dep)
+            ids = tokens.clamp(min=0)
+        max_depth = int(depth.max())
+        positions = (lens.unsqueeze(1) + depth).to(dev)
+        write_pos = (lens.unsqueeze(1) + torch.arange(T)).to(dev)
+        kv_len = int(lens.max()) + T
+        mask = self._tree_mask(lens.to(dev), parents.to(dev), kv_len, max_depth)
+        view = self.cache.view(0, B, write_pos, mask)
+        logits = self.model(ids.to(dev), positions, view)  # [B, T, V]
+        self.num_forwards += 1
+        out_pos = gen.unsqueeze(1) + depth  # index of the output token drawn at each node
+        batch = _sampling_batch(seqs, out_pos, dev)
+        drawn, logps = sample(logits.reshape(B * T, -1), batch)
+        drawn, logps = drawn.view(B, T), logps.view(B, T)
+        if T == 1:
+            emit_tok, emit_lp = drawn.tolist(), logps.tolist()
+            for s in seqs:
+                s.cache_len += 1
+            return DecodeResult(emit_tok, emit_lp, [0] * B, [0] * B)
+        tokens_d, parents_d = tokens.to(dev), parents.to(dev)
+        path, n_acc = walk_tree(drawn, tokens_d, parents_d, max_depth)
+        self._keep_paths(lens.to(dev), path, n_acc)
+        path_c, n_acc_c = path.cpu(), n_acc.cpu().tolist()
+        tok_c, drawn_c, lp_c = tokens.tolist(), drawn.cpu(), logps.cpu()
+        out_tok, out_lp = [], []
+        for b, s in enumerate(seqs):
+            n = n_acc_c[b]
+            nodes = path_c[b, : n + 1].tolist()
+            emit = [tok_c[b][i] for i in nodes[1:]] + [int(drawn_c[b, nodes[-1]])]
+            # Log-prob of an accepted draft token is that of the token drawn at its parent.
+            out_tok.append(emit)
+            out_lp.append([float(lp_c[b, i]) for i in nodes])
+            s.cache_len += n + 1
+        return DecodeResult(out_tok, out_lp, n_nodes, n_acc_c)
+
+    def _tree_mask(self, lens: torch.Tensor, parents: torch.Tensor, kv_len: int, max_depth: int) -> torch.Tensor:
+        """``[B, 1, T, kv_len]``: the cached prefix plus each node's ancestors (and itself)."""
+        B, T = parents.shape
+        dev = lens.device
+        mask = torch.arange(kv_len, device=dev).view(1, 1, kv_len) < lens.view(B, 1, 1)
+        mask = mask.expand(B, T, kv_len).clone()
+        nodes = torch.arange(T, device=dev).expand(B, T)
+        anc = torch.zeros(B, T, T, dtype=torch.bool, device=dev)
+        anc.scatter_(2, nodes.unsqueeze(2), True)
+        cur = nodes
+        safe_par = parents.clamp(min=0)
+        for _ in range(max_depth):
+            cur = safe_par.gather(1, cur)
+            anc.scatter_(2, cur.unsqueeze(2), True)
+        cols = (lens.unsqueeze(1) + torch.arange(T, device=dev)).unsqueeze(1).expand(B, T, T)
+        mask.scatter_(2, cols, anc)
+        return mask.unsqueeze(1)
+
+    def _keep_paths(self, lens: torch.Tensor, path: torch.Tensor, n_acc: torch.Tensor) -> None:
+        """Move each accepted path's K/V to consecutive positions after the prefix."""
+        B, D = path.shape
+        depth = torch.arange(D, device=path.device).expand(B, D)
+        move = (depth <= n_acc.unsqueeze(1)) & (path != depth)
+        if not bool(move.any()):
+            return  # path drafts: node index == depth, nothing moves
+        rows = torch.arange(B, device=path.device).unsqueeze(1).expand(B, D)[move]
+        self.cache.gather_positions(rows, (lens.unsqueeze(1) + path)[move], (lens.unsqueeze(1) + depth)[move])

@@ -1,0 +1,92 @@
+"""Seeded sampling whose random draw depends only on (seed, sample index, position).
+
+Each draw is one uniform number from a counter-based hash (splitmix64) of those three
+integers, turned into a token by inverting the CDF of the sampling distribution. No
+shared random stream exists, so a request samples the same tokens alone, in any batch,
+and with or without speculative decoding: the verifier uses the very same draw to decide
+whether a drafted token is accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _lsr(x, 30)
+    x = x * _M1  # int64 multiplication wraps modulo 2**64, as the hash needs
+    x = x ^ _lsr(x, 27)
+    x = x * _M2
+    return x ^ _lsr(x, 31)
+
+
+def uniforms(seed: torch.Tensor, sample: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Float64 uniforms in [0, 1), one per element of the broadcast int64 inputs."""
+    h = _mix(seed + _GOLDEN)
+    h = _mix(h ^ (sample * _GOLDEN + 1))
+    h = _mix(h ^ (position * _M1 + 2))
+    return _lsr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors (one row per scored position)."""
+
+    temperature: torch.Tensor  # [N] float; 0 = greedy
+    top_p: torch.Tensor  # [N] float
+    top_k: torch.Tensor  # [N] int; -1 = off
+    seed: torch.Tensor  # [N] int64
+    sample: torch.Tensor  # [N] int64
+    position: torch.Tensor  # [N] int64: index of the output token being drawn
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                      top_k: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities ``[N, V]`` of the sampling distribution (-inf outside top-k/top-p).
+
+    Greedy rows (temperature 0) get the model's plain log-softmax.
+    """
+    logits = logits.float()
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
+    scaled = logits / t.unsqueeze(1)
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1).any())
+    if need_k or need_p:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        V = logits.shape[-1]
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if need_k:
+            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+            remove |= torch.arange(V, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+        if need_p:
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+            before = probs.cumsum(-1) - probs  # mass of strictly better tokens
+            remove |= before >= top_p.to(probs.dtype).unsqueeze(1)
+        remove[:, 0] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    return scaled.log_softmax(-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits [N, V]``; returns ``(tokens [N], logprobs [N])``."""
+    logp = sampling_logprobs(logits, batch.temperature, batch.top_p, batch.top_k)
+    u = uniforms(batch.seed, batch.sample, batch.position)
+    cdf = logp.exp().to(torch.float64).cumsum(-1)
+    # First index whose CDF exceeds u * total: a zero-probability token is never chosen.
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+    greedy = batch.temperature == 0
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

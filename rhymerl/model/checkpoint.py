@@ -1,0 +1,132 @@
+"""Hugging Face folder layout: ``config.json`` plus ``model.safetensors`` (or shards and an index).
+
+Only safetensors are read: pickled ``.bin`` weights can run code when loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rhymerl.model.config import ModelConfig
+from rhymerl.model.llama import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_FILE).exists():
+        index = json.loads((folder / INDEX_FILE).read_text())
+        return [folder / f for f in sorted(set(index["weight_map"].values()))]
+    if (folder / SINGLE_FILE).exists():
+        return [folder / SINGLE_FILE]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise ValueError(f"{folder}: only pickled weights (.bin/.pt) found; rhymerl loads safetensors only "
+                         "(convert with transformers' save_pretrained(safe_serialization=True))")
+    raise FileNotFoundError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder, on CPU, in their stored dtype."""
+    out: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(folder)):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def check_state_dict(model: CausalLM, sd: dict[str, torch.Tensor], source: str) -> None:
+    """Raise a message naming every missing, unexpected or wrongly shaped tensor."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    wrong = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(expected[k])}"
+             for k in expected if k in sd and sd[k].shape != expected[k]]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if wrong:
+            parts.append(f"shape mismatch {wrong[:5]}")
+        raise ValueError(f"{source}: weights do not fit this model config (a checkpoint of another model?): "
+                         + "; ".join(parts))
+
+
+def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Load an HF-format Llama/Qwen2/Qwen3 folder into our :class:`CausalLM`."""
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"{folder}: no config.json (is this a model folder?)")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    sd = load_state_dict(folder)
+    check_state_dict(model, sd, str(folder))
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    model.load_state_dict(sd, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()
+
+
+def save_pretrained(model: CausalLM, path: str | Path, *, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write ``config.json`` and safetensors (sharded with an index above ``max_shard_bytes``).
+
+    Files are written beside their final names and renamed into place, so a reader never
+    sees a half-written weight file.
+    """
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        _atomic_save(shards[0], folder / SINGLE_FILE, meta)
+        (folder / INDEX_FILE).unlink(missing_ok=True)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_save(shard, folder / name, meta)
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        _atomic_write_text(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+                                                            "weight_map": weight_map}, indent=2))
+        (folder / SINGLE_FILE).unlink(missing_ok=True)
+    _atomic_write_text(folder / "config.json", json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], dest: Path, meta: dict[str, str]) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, dest)
+
+
+def _atomic_write_text(dest: Path, text: str) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, dest)

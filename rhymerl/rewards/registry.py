@@ -1,0 +1,76 @@
+"""Reward functions keyed by ``data_source``, with verl's signature.
+
+``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``; a
+dict must hold ``"score"`` and may add named values that are averaged into metrics.
+A reward function that raises never kills a run: the sample gets 0 and the error is
+recorded (``RewardResult.error``) so it shows in the metrics and the log.
+"""
+from __future__ import annotations
+
+import importlib.util
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rhymerl.rewards.math import math_compute_score
+from rhymerl.tasks import TASKS
+
+RewardFn = Callable[[str, str, Any, dict[str, Any]], "float | dict[str, Any]"]
+
+
+@dataclass
+class RewardResult:
+    score: float
+    extra: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+class RewardRegistry:
+    """Maps ``data_source`` to a reward function; unknown sources fall back to ``default``."""
+
+    def __init__(self, default: RewardFn | None = math_compute_score) -> None:
+        self._fns: dict[str, RewardFn] = {}
+        self.default = default
+        for cls in TASKS.values():
+            task = cls()
+            self.register(task.data_source, lambda ds, s, gt, ei, _t=task: _t.score(s, str(gt)))
+
+    def register(self, data_source: str, fn: RewardFn) -> None:
+        self._fns[data_source] = fn
+
+    def fn_for(self, data_source: str) -> RewardFn:
+        fn = self._fns.get(data_source, self.default)
+        if fn is None:
+            raise KeyError(f"no reward function for data_source {data_source!r} and no default")
+        return fn
+
+    def score(self, data_source: str, solution_str: str, ground_truth: Any,
+              extra_info: dict[str, Any] | None = None, *, where: str = "") -> RewardResult:
+        """Score one response; an exception becomes reward 0 with ``error`` naming ``where``."""
+        try:
+            out = self.fn_for(data_source)(data_source, solution_str, ground_truth, extra_info or {})
+            if isinstance(out, dict):
+                if "score" not in out:
+                    raise ValueError(f"reward dict has no 'score' key (keys: {sorted(out)})")
+                extra = {k: float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float))}
+                return RewardResult(float(out["score"]), extra)
+            return RewardResult(float(out))
+        except Exception as e:  # noqa: BLE001 - any user error must be contained
+            tb = traceback.format_exception_only(type(e), e)[-1].strip()
+            return RewardResult(0.0, error=f"{where or data_source}: reward function raised {tb}")
+
+
+def load_reward_file(path: str | Path, name: str = "compute_score") -> RewardFn:
+    """Load ``name`` from a user's Python file (verl's ``custom_reward_function.path``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"reward file {path} not found")
+    spec = importlib.util.spec_from_file_location(f"rhymerl_user_reward_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"{path}: no callable {name!r}")
+    return fn
