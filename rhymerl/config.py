@@ -46,7 +46,7 @@ class DataSection:
 
 @dataclass
 class SFTSection:
-    steps: int = 1500
+    steps: int = 800
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 50

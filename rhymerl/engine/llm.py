@@ -128,8 +128,15 @@ class LLM:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-        """Copy new policy weights in place (HF parameter names); the KV memory is kept."""
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        """Copy new policy weights in place; the KV memory is kept.
+
+        Names are ours (``named_parameters()`` of a :class:`CausalLM`) or Hugging Face's
+        (separate ``q/k/v_proj``, ``gate/up_proj``), which are joined first.
+        """
+        from rhymerl.model import hf_to_ours
+
+        items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        items = hf_to_ours(items, self.model.config).items()
         params = dict(self.model.named_parameters())
         if self.model.config.tie_word_embeddings:
             params.setdefault("lm_head.weight", self.model.lm_head.weight)

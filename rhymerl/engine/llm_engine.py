@@ -126,10 +126,13 @@ class LLMEngine:
 
     def _check_stop(self, s: Sequence, n_new: int) -> bool:
         """Truncate at a stop token, max_tokens or max_model_len among the ``n_new`` new tokens."""
-        p = s.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        stops = s.stop_ids
+        if stops is None:
+            p = s.params
+            stops = s.stop_ids = frozenset(p.stop_token_ids) | frozenset(() if p.ignore_eos else self.eos_token_ids)
+            s.limit = min(p.max_tokens, self.max_model_len - len(s.prompt_ids))
         start = len(s.output_ids) - n_new
-        limit = min(p.max_tokens, self.max_model_len - len(s.prompt_ids))
+        limit = s.limit
         for i in range(start, len(s.output_ids)):
             if s.output_ids[i] in stops:
                 self._finish(s, i + 1, "stop")

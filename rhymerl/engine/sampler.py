@@ -56,7 +56,8 @@ def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
 
     Greedy rows (temperature 0) get the model's plain log-softmax.
     """
-    logits = logits.float()
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
     scaled = logits / t.unsqueeze(1)
     need_k = bool((top_k > 0).any())
@@ -82,7 +83,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     """Draw one token per row of ``logits [N, V]``; returns ``(tokens [N], logprobs [N])``."""
     logp = sampling_logprobs(logits, batch.temperature, batch.top_p, batch.top_k)
     u = uniforms(batch.seed, batch.sample, batch.position)
-    cdf = logp.exp().to(torch.float64).cumsum(-1)
+    # float64 CDF: the comparison with u must not depend on how the sum was blocked.
+    cdf = logp.to(torch.float64).exp_().cumsum_(-1)
     # First index whose CDF exceeds u * total: a zero-probability token is never chosen.
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     tokens = tokens.clamp_(max=logits.shape[-1] - 1)

@@ -37,6 +37,8 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     draft_len: int = 0  # current adaptive draft length, owned by the drafter
+    stop_ids: frozenset[int] | None = None  # resolved on first use by the engine
+    limit: int = 0  # most output tokens allowed (max_tokens and max_model_len)
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,38 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def hf_to_ours(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Join HF's q/k/v_proj into qkv_proj and gate/up_proj into gate_up_proj (other keys pass)."""
+    out = dict(sd)
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            parts = [f"{a}{p}_proj.{kind}" for p in "qkv"]
+            if all(p in out for p in parts):
+                out[f"{a}qkv_proj.{kind}"] = torch.cat([out.pop(p) for p in parts], 0)
+            parts = [f"{m}{p}_proj.{kind}" for p in ("gate", "up")]
+            if all(p in out for p in parts):
+                out[f"{m}gate_up_proj.{kind}"] = torch.cat([out.pop(p) for p in parts], 0)
+    return out
+
+
+def ours_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_ours`: the tensor names transformers expects."""
+    assert cfg.head_dim is not None
+    out = dict(sd)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            if f"{a}qkv_proj.{kind}" in out:
+                for name, t in zip("qkv", out.pop(f"{a}qkv_proj.{kind}").split([q, kv, kv], 0)):
+                    out[f"{a}{name}_proj.{kind}"] = t
+            if f"{m}gate_up_proj.{kind}" in out:
+                g, u = out.pop(f"{m}gate_up_proj.{kind}").chunk(2, 0)
+                out[f"{m}gate_proj.{kind}"], out[f"{m}up_proj.{kind}"] = g, u
+    return out
+
+
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).exists():
         index = json.loads((folder / INDEX_FILE).read_text())
@@ -72,7 +104,7 @@ def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu",
     cfg = ModelConfig.from_file(folder / "config.json")
     with torch.device("meta"):
         model = CausalLM(cfg)
-    sd = load_state_dict(folder)
+    sd = hf_to_ours(load_state_dict(folder), cfg)
     check_state_dict(model, sd, str(folder))
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     if cfg.tie_word_embeddings:
@@ -91,7 +123,7 @@ def save_pretrained(model: CausalLM, path: str | Path, *, max_shard_bytes: int =
     """
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().contiguous().cpu() for k, v in ours_to_hf(model.state_dict(), model.config).items()}
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -29,10 +29,21 @@ class CacheView:
     v: torch.Tensor
     write_pos: torch.Tensor
     attn_mask: torch.Tensor
+    _flat_index: torch.Tensor | None = None
 
     @property
     def kv_len(self) -> int:
         return self.attn_mask.shape[-1]
+
+    def flat_index(self) -> torch.Tensor:
+        """Row indices into one layer's cache viewed as ``[B * kv_heads * capacity, head_dim]``,
+        ordered ``[B, kv_heads, T]``; computed once per forward and shared by all layers."""
+        if self._flat_index is None:
+            _, B, H, cap, _ = self.k.shape
+            base = (torch.arange(B, device=self.k.device) * H).view(B, 1, 1) + \
+                torch.arange(H, device=self.k.device).view(1, H, 1)
+            self._flat_index = (base * cap + self.write_pos.unsqueeze(1)).reshape(-1)
+        return self._flat_index
 
 
 class RMSNorm(nn.Module):
@@ -42,20 +53,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 and scale after casting back, as HF does, so bf16 matches too.
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
+    """GQA attention with one fused q/k/v projection (HF's separate q/k/v_proj are joined
+    when a checkpoint is loaded and split when it is saved: one matmul instead of three)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         assert cfg.head_dim is not None
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim,
+                                  bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -65,37 +79,40 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: CacheView | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        H, KV = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * KV, self.head_dim)
+        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # q and k rotated together
+        q, k = qk[:, :H], qk[:, H:]
         v = v.transpose(1, 2)
+        gqa = KV != H
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
             kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            rows = torch.arange(B, device=x.device).unsqueeze(1).expand(B, T)
-            # Advanced indices on dims 0 and 2 put [B, T] first: the value is [B, T, kv, D].
-            kc[rows, :, cache.write_pos] = k.transpose(1, 2)
-            vc[rows, :, cache.write_pos] = v.transpose(1, 2)
+            idx = cache.flat_index()
+            kc.view(-1, self.head_dim).index_copy_(0, idx, k.reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, idx, v.reshape(-1, self.head_dim))
             n = cache.kv_len
             out = F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], attn_mask=cache.attn_mask,
-                                                 enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+                                                 enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.head_dim))
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

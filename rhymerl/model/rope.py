@@ -80,7 +80,10 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(t, self.inv_freq.to(device))
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos = (emb.cos() * self.attention_factor).to(dtype)
-        self._sin = (emb.sin() * self.attention_factor).to(dtype)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed: the sign lives in the table.
+        sin = emb.sin() * self.attention_factor
+        half = sin.shape[-1] // 2
+        self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
         self._cache_len = n
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +96,7 @@ class RotaryEmbedding(torch.nn.Module):
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, D]`` (HF's rotate-half convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, T, D]`` (HF's rotate-half convention; ``sin_signed`` from
+    :class:`RotaryEmbedding` carries rotate-half's sign)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

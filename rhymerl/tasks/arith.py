@@ -19,7 +19,7 @@ class ArithTask(Task):
     name = "arith"
     alphabet = "0123456789+=-\nQA:"
 
-    def __init__(self, min_terms: int = 2, max_terms: int = 12, max_value: int = 99) -> None:
+    def __init__(self, min_terms: int = 2, max_terms: int = 12, max_value: int = 9) -> None:
         self.min_terms, self.max_terms, self.max_value = min_terms, max_terms, max_value
 
     def _num_terms(self, rng: random.Random) -> int:

@@ -1,0 +1,113 @@
+"""``rhymerl``: the command line.
+
+    rhymerl train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR]
+    rhymerl sft   [CONFIG.yaml] [key=value ...]
+    rhymerl bench {engine,spec,e2e} [--json FILE]
+    rhymerl export RUN_DIR [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rhymerl.config import ConfigError, load_config
+
+
+def _split(args: list[str]) -> tuple[str | None, list[str]]:
+    cfg = None
+    overrides = []
+    for a in args:
+        if "=" in a:
+            overrides.append(a)
+        elif cfg is None and a.endswith((".yaml", ".yml")):
+            cfg = a
+        else:
+            raise ConfigError(f"{a}: expected a .yaml config file or a key=value override")
+    return cfg, overrides
+
+
+def cmd_sft(ns: argparse.Namespace) -> int:
+    from rhymerl.training.sft import run_sft, sft_output_dir
+
+    cfg = load_config(*_split(ns.args))
+    out = sft_output_dir(cfg)
+    card = run_sft(cfg, out)
+    _print_card(card, out)
+    return 0
+
+
+def _print_card(card: dict, out: Path) -> None:
+    ls = card["response_length"]
+    print(f"base model: {out}  ({card['params'] / 1e6:.2f}M params, {card['steps']} steps, "
+          f"{card['train_seconds']:.0f}s)")
+    print(f"held-out greedy accuracy: {100 * card['heldout_greedy_accuracy']:.1f}% on "
+          f"{card['heldout_prompts']} prompts; response length min/median/max "
+          f"{ls['min']}/{ls['median']:.0f}/{ls['max']}")
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from rhymerl.training.rl import train
+
+    if ns.resume:
+        return train(resume=ns.resume)
+    cfg_path, overrides = _split(ns.args)
+    return train(load_config(cfg_path, overrides), config_path=cfg_path)
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    if ns.which == "engine":
+        from rhymerl.bench.engine import run
+
+        run(ns.json, quick=ns.quick)
+    elif ns.which == "spec":
+        from rhymerl.bench.spec import run
+
+        run(ns.json, quick=ns.quick)
+    elif ns.which == "e2e":
+        from rhymerl.bench.e2e import run
+
+        run(ns.json, quick=ns.quick)
+    else:
+        raise SystemExit(f"unknown benchmark {ns.which!r}")
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from rhymerl.training.checkpoint import export_policy
+
+    out = export_policy(ns.run_dir, ns.out)
+    print(f"exported {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rhymerl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="RL training (builds the SFT base model first if needed)")
+    t.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.set_defaults(fn=cmd_train)
+    s = sub.add_parser("sft", help="train the tiny base model of a built-in task from scratch")
+    s.add_argument("args", nargs="*")
+    s.set_defaults(fn=cmd_sft)
+    b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run")
+    b.add_argument("which", choices=["engine", "spec", "e2e"])
+    b.add_argument("--json", metavar="FILE")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    b.set_defaults(fn=cmd_bench)
+    e = sub.add_parser("export", help="write a run's final policy as an HF folder")
+    e.add_argument("run_dir")
+    e.add_argument("--out")
+    e.set_defaults(fn=cmd_export)
+    ns = p.parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

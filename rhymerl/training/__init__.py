@@ -1,0 +1,1 @@
+"""Training: SFT of the base model, the RL loop, and its algorithms."""

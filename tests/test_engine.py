@@ -1,0 +1,172 @@
+"""Rollout engine: exactness against naive decoding, seeded sampling, limits, tree scoring."""
+from __future__ import annotations
+
+import torch
+
+from rhymerl import LLM, SamplingParams
+from rhymerl.engine import DraftTree
+from tests.conftest import naive_greedy, tiny_model
+
+PROMPTS = [[3, 4, 5], [7] * 10, [1, 5], [9, 8, 7, 6, 5], [4, 4], [5, 6, 7, 8, 9, 10, 11], [30] * 17, [12]]
+
+
+def test_greedy_equals_naive_decode(model):
+    llm = LLM(model, max_num_seqs=3, max_model_len=64)  # fewer slots than prompts: continuous batching
+    maxes = [5, 20, 9, 13, 3, 30, 11, 25]
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in maxes],
+                        use_tqdm=False)
+    for p, o, k in zip(PROMPTS, outs, maxes):
+        assert o.outputs[0].token_ids == naive_greedy(model, p, k)
+        assert o.outputs[0].finish_reason == "length"
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_sampled_output_independent_of_batch(model):
+    sp = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
+    alone = _tokens(LLM(model, max_num_seqs=8, max_model_len=64).generate([PROMPTS[1]], sp, use_tqdm=False))[0]
+    llm = LLM(model, max_num_seqs=64, max_model_len=64)
+    in_batch = _tokens(llm.generate(PROMPTS, sp, use_tqdm=False))[1]
+    reordered = _tokens(llm.generate(PROMPTS[::-1] * 8, sp, use_tqdm=False))[len(PROMPTS) - 2]
+    small = _tokens(LLM(model, max_num_seqs=2, max_model_len=64).generate(PROMPTS, sp, use_tqdm=False))[1]
+    assert alone == in_batch == reordered == small
+
+
+def test_seeds_and_samples_differ(model):
+    llm = LLM(model, max_num_seqs=16, max_model_len=64)
+    a = llm.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=20, seed=1, ignore_eos=True), use_tqdm=False)[0]
+    b = llm.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=20, seed=1, ignore_eos=True), use_tqdm=False)[0]
+    c = llm.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=20, seed=2, ignore_eos=True), use_tqdm=False)[0]
+    ta, tb, tc = ([x.token_ids for x in r.outputs] for r in (a, b, c))
+    assert ta == tb
+    assert ta != tc
+    assert len({tuple(t) for t in ta}) == 4
+
+
+def test_stop_tokens_and_limits(model):
+    llm = LLM(model, max_num_seqs=4, max_model_len=16)
+    free = naive_greedy(model, PROMPTS[0], 12)
+    stop = free[4]
+    first = free.index(stop)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
+    # max_model_len caps prompt + response
+    out = llm.generate([[1] * 10], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_overlong_prompt_fails_alone(model):
+    llm = LLM(model, max_num_seqs=4, max_model_len=16)
+    outs = llm.generate([[1] * 20, PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert outs[0].error is not None and "max_model_len=16" in outs[0].error and not outs[0].outputs
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == naive_greedy(model, PROMPTS[0], 4)
+
+
+def test_small_kv_budget_makes_requests_wait(model):
+    # Room for exactly 2 sequences: 12 samples must queue, and all still complete exactly.
+    llm = LLM(model, max_num_seqs=64, max_model_len=40, kv_cache_tokens=2 * 41)
+    assert llm.engine.cache.num_slots == 2
+    outs = llm.generate(PROMPTS[:6], SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        assert all(c.token_ids == naive_greedy(model, p, 10) for c in o.outputs)
+
+
+def test_logprobs_equal_log_softmax(model):
+    llm = LLM(model, max_num_seqs=4, max_model_len=64)
+    for temp in (1.0, 0.7):
+        out = llm.generate([PROMPTS[3]], SamplingParams(temperature=temp, max_tokens=10, seed=3, logprobs=True,
+                                                        ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        ids = torch.tensor([PROMPTS[3] + out.token_ids])
+        with torch.no_grad():
+            logp = (model(ids)[0, len(PROMPTS[3]) - 1: -1] / temp).log_softmax(-1)
+        ref = logp.gather(1, torch.tensor(out.token_ids).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5)
+
+
+def test_update_weights_in_place(model):
+    llm = LLM(model, max_num_seqs=4, max_model_len=64)
+    other = tiny_model(seed=5)
+    cache = llm.engine.cache.k
+    llm.update_weights(dict(other.named_parameters()))
+    assert llm.engine.cache.k is cache
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == naive_greedy(other, PROMPTS[0], 8)
+
+
+class FixedTrees:
+    """A proposer that returns given trees (by sequence), to test the scoring mechanism alone."""
+
+    def __init__(self, make, max_nodes: int = 12) -> None:
+        self.make, self.max_nodes = make, max_nodes
+        self.accepted: list[int] = []
+
+    def propose(self, seqs):
+        return [self.make(s) for s in seqs]
+
+    def observe(self, seqs, drafted, accepted):
+        self.accepted += accepted
+
+    def on_finish(self, seq):
+        pass
+
+
+def test_tree_scoring_keeps_greedy_output_and_accepts_true_branch(model):
+    refs = {i: naive_greedy(model, p, 30) for i, p in enumerate(PROMPTS)}
+
+    def make(seq):
+        # A tree whose one branch is the true continuation (3 deep) among wrong siblings.
+        g = len(seq.output_ids)
+        truth = refs[seq.request_id][g: g + 3]
+        if len(truth) < 3:
+            return None
+        wrong = [(t + 1) % 40 for t in truth]
+        # nodes: 0 wrong0, 1 true0, 2 wrong1 (under true0), 3 true1 (under true0), 4 true2 (under true1)
+        return DraftTree((wrong[0], truth[0], wrong[1], truth[1], truth[2]), (-1, -1, 1, 1, 3))
+
+    prop = FixedTrees(make)
+    llm = LLM(model, max_num_seqs=8, max_model_len=64, speculative=prop)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    for i, o in enumerate(outs):
+        assert o.outputs[0].token_ids == refs[i]
+    assert prop.accepted and max(prop.accepted) == 3
+    assert llm.engine.stats.forwards < 30 * len(PROMPTS) / 3
+
+
+def test_tree_scoring_logits_equal_single_path():
+    """Each node's logits in one tree pass equal those of running its path alone."""
+    from rhymerl.engine.kv_cache import KVCache
+    from rhymerl.engine.model_runner import ModelRunner
+    from rhymerl.engine.sequence import Sequence
+
+    m = tiny_model()
+    prompt = [5, 6, 7, 8]
+    tree = DraftTree((10, 11, 12, 13), (-1, -1, 0, 2))  # two branches: 10->12->13 and 11
+    cache = KVCache(m.config, 1, 32, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(m, cache, torch.device("cpu"))
+    seq = Sequence(0, 0, prompt, SamplingParams(temperature=0, max_tokens=10), seed=0)
+    seq.slot = 0
+    runner.prefill([[seq]])
+    captured = {}
+    orig = m.forward
+
+    def spy(*a, **k):
+        out = orig(*a, **k)
+        captured["logits"] = out
+        return out
+
+    m.forward = spy  # type: ignore[method-assign]
+    runner.decode([seq], [tree])
+    m.forward = orig  # type: ignore[method-assign]
+    logits = captured["logits"][0]
+    first = seq.output_ids[0]
+    paths = {0: [first], 1: [first, 10], 2: [first, 11], 3: [first, 10, 12], 4: [first, 10, 12, 13]}
+    with torch.no_grad():
+        for node, path in paths.items():
+            ref = m(torch.tensor([prompt + path]))[0, -1]
+            assert (logits[node] - ref).abs().max().item() < 1e-4

@@ -1,0 +1,148 @@
+"""Config, data, rewards, tasks, tokenizer, SFT: the ground the RL system stands on."""
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rhymerl.config import ConfigError, load_config
+from rhymerl.data import DatasetError, load_dataset_files, task_dataset
+from rhymerl.rewards import RewardRegistry, extract_answer, load_reward_file
+from rhymerl.tasks import TASKS, get_task
+from rhymerl.tokenizer import build_char_tokenizer, encode_prompt
+
+
+def test_config_overrides_and_errors(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("trainer:\n  lr: 2.0e-4\nrollout:\n  n: 4\n")
+    cfg = load_config(f, ["trainer.lr=1e-5", "rollout.speculative.max_draft=8"])
+    assert cfg.trainer.lr == 1e-5 and cfg.rollout.n == 4 and cfg.rollout.speculative.max_draft == 8
+    for bad, where in ((["trainer.lrr=1"], "trainer.lrr"), (["rollout.n=abc"], "rollout.n"),
+                       (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator"),
+                       (["rollout.top_p=0"], "rollout.top_p")):
+        with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+            load_config(None, bad)
+    f.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(f)
+
+
+def _rows():
+    return [{"prompt": "What is 2+3?", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "5"},
+             "extra_info": {"index": 0}},
+            {"prompt": [{"role": "user", "content": "1+1?"}], "data_source": "openai/gsm8k",
+             "reward_model": {"ground_truth": "2"}, "extra_info": {"index": 1}}]
+
+
+def test_dataset_jsonl_and_parquet(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in _rows()))
+    pq.write_table(pa.Table.from_pylist(_rows()[:1]), tmp_path / "b.parquet")
+    rows = load_dataset_files([str(tmp_path / "a.jsonl")])
+    assert [r.key for r in rows] == ["0", "1"] and isinstance(rows[1].prompt, list)
+    assert load_dataset_files(str(tmp_path / "b.parquet"))[0].ground_truth == "5"
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda r: r.pop("prompt"), "'prompt'"),
+    (lambda r: r.pop("reward_model"), "reward_model.ground_truth"),
+    (lambda r: r.update(data_source=""), "data_source"),
+    (lambda r: r.update(prompt=[{"role": "user"}]), r"prompt\[0\]"),
+])
+def test_malformed_row_names_file_row_and_field(tmp_path, mutate, field):
+    rows = _rows()
+    mutate(rows[1])
+    f = tmp_path / "bad.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DatasetError, match=rf"bad\.jsonl: row 1: .*{field}"):
+        load_dataset_files([str(f)])
+
+
+def test_rewards_registry_math_and_user_file(tmp_path):
+    reg = RewardRegistry()
+    assert reg.score("openai/gsm8k", "so #### 1,234", "1234").score == 1.0
+    assert reg.score("lighteval/MATH", r"thus \boxed{\frac{1}{2}}", "0.5").score == 1.0
+    assert reg.score("openai/gsm8k", r"\boxed{3}", "4").score == 0.0
+    assert extract_answer(r"\boxed{\frac{a}{b}} end") == r"\frac{a}{b}"
+    f = tmp_path / "my_reward.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                 "    if 'boom' in solution_str: raise RuntimeError('bad input')\n"
+                 "    return {'score': float(solution_str == ground_truth), 'len': len(solution_str)}\n")
+    reg.register("mine", load_reward_file(f))
+    r = reg.score("mine", "abc", "abc")
+    assert r.score == 1.0 and r.extra == {"len": 3.0}
+    r = reg.score("mine", "boom", "x", where="train.jsonl row 7")
+    assert r.score == 0.0 and "train.jsonl row 7" in r.error and "RuntimeError: bad input" in r.error
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_tasks_verify_lengths_and_variety(name):
+    task = get_task(name)
+    rng = random.Random(0)
+    probs = [task.make_problem(rng) for _ in range(1000)]
+    assert all(task.score(p.solution, p.ground_truth) == 1.0 for p in probs)
+    assert all(task.score(p.solution + "1", p.ground_truth) == 0.0 for p in probs[:50])
+    lens = sorted(len(p.solution) for p in probs)
+    assert lens[int(0.99 * len(lens))] >= 6 * lens[0]  # strongly varying response lengths
+    # the same prompt admits different valid solutions
+    by_prompt: dict[str, set[str]] = {}
+    for _ in range(3000):
+        p = task.make_problem(rng)
+        by_prompt.setdefault(p.prompt, set()).add(p.solution)
+    assert any(len(s) > 1 for s in by_prompt.values())
+
+
+def test_arith_lengths_span_8x():
+    task = get_task("arith")
+    rng = random.Random(1)
+    lens = sorted(len(task.make_problem(rng).solution) for _ in range(2000))
+    assert lens[int(0.98 * len(lens))] >= 8 * lens[0]
+
+
+def test_task_split_is_disjoint():
+    task = get_task("arith")
+    val = task_dataset(task, 100, seed=1)
+    train = task_dataset(task, 300, seed=2, exclude={r.prompt for r in val})
+    assert not {r.prompt for r in val} & {r.prompt for r in train}
+
+
+def test_char_tokenizer_roundtrip_and_autotokenizer(tmp_path):
+    tok = build_char_tokenizer("0123456789+=\nQA:")
+    ids = tok.encode("Q:1+2\n", add_special_tokens=False)
+    assert len(ids) == 6 and tok.decode(ids) == "Q:1+2\n"
+    tok.save_pretrained(str(tmp_path))
+    again = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert again.encode("Q:1+2\n", add_special_tokens=False) == ids and again.eos_token_id == 2
+
+
+def test_chat_prompt_uses_template(tmp_path):
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz:\n ")
+    with pytest.raises(ValueError, match="chat_template"):
+        encode_prompt(tok, [{"role": "user", "content": "hi"}])
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    ids = encode_prompt(tok, [{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "user: hi\nassistant:"
+
+
+def test_sft_is_seeded_and_writes_hf_folder(tmp_path):
+    from rhymerl.training.sft import run_sft
+
+    cfg = load_config(None, ["sft.steps=8", "sft.batch_size=8", "sft.num_examples=200", "sft.eval_prompts=16",
+                             "data.num_val=16", "data.num_train=32", "model.hidden_size=32",
+                             "model.intermediate_size=64"])
+    card = run_sft(cfg, tmp_path / "a", progress=False)
+    run_sft(cfg, tmp_path / "b", progress=False)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert card["steps"] == 8 and 0.0 <= card["heldout_greedy_accuracy"] <= 1.0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    from rhymerl.model import load_pretrained
+
+    ours = load_pretrained(tmp_path / "a")
+    x = torch.tensor([tok.encode("Q:1+2\n", add_special_tokens=False)])
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max() < 1e-4
