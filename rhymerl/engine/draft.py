@@ -1,7 +1,7 @@
 """The interface between the engine and a drafter: token trees to verify."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence as Seq
 
 from rhymerl.engine.sequence import Sequence
@@ -18,17 +18,25 @@ class DraftTree:
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
+    depths: tuple[int, ...] = field(init=False, repr=False, compare=False)  # 1 for children of the root
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("DraftTree: tokens and parents differ in length")
         seen: set[tuple[int, int]] = set()
+        depths: list[int] = []
         for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
             if not -1 <= p < i:
                 raise ValueError(f"DraftTree: node {i} has parent {p}; parents must precede children")
             if (p, t) in seen:
                 raise ValueError(f"DraftTree: node {i} repeats token {t} under parent {p}")
             seen.add((p, t))
+            depths.append(1 if p < 0 else depths[p] + 1)
+        object.__setattr__(self, "depths", tuple(depths))
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
 
     @staticmethod
     def path(tokens: Seq[int]) -> "DraftTree":

@@ -66,6 +66,7 @@ class LLM:
                                 device=self.device, dtype=self.dtype, eos_token_ids=eos,
                                 proposer=proposer, detokenize=detok)
         self._rng = random.Random(seed)
+        self._calls = 0
 
     def _build_proposer(self, speculative: Mapping[str, Any] | Proposer | None) -> Proposer | None:
         if speculative is None:
@@ -99,11 +100,13 @@ class LLM:
 
     def generate(self, prompts: Iterable[str | list[int]], sampling_params: SamplingParams |
                  list[SamplingParams] | None = None, *, prompt_keys: list[str] | None = None,
+                 step: int | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
         ``prompt_keys`` name each prompt stably across calls (a dataset index): drafters
-        that learn from history look it up by this key.
+        that learn from history look it up by this key. ``step`` labels this rollout in the
+        history (default: a counter of ``generate`` calls).
         """
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
@@ -112,6 +115,9 @@ class LLM:
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"{len(prompt_keys)} prompt_keys for {len(prompts)} prompts")
+        self._calls += 1
+        if self.proposer is not None and hasattr(self.proposer, "begin"):
+            self.proposer.begin(step if step is not None else self._calls)
         rids = []
         for i, (pr, sp) in enumerate(zip(prompts, plist)):
             seed = sp.seed if sp.seed is not None else self._rng.getrandbits(62)

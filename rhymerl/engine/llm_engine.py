@@ -46,6 +46,11 @@ class LLMEngine:
         headroom = (proposer.max_nodes + 1) if proposer is not None else 1
         self.cache = KVCache(model.config, num_slots, max_model_len + headroom, device, dtype)
         self.runner = ModelRunner(model, self.cache, device)
+        if proposer is not None and getattr(proposer, "wants_cost_model", False):
+            from rhymerl.engine.cost_model import calibrate
+
+            # Measured once, on this model and device, before any request holds a slot.
+            proposer.attach_cost_model(calibrate(model, self.cache, device, num_slots, proposer.max_nodes + 1))
         self.scheduler = Scheduler(self.cache)
         self.eos_token_ids = list(eos_token_ids)
         self.detokenize = detokenize

@@ -104,20 +104,22 @@ class ModelRunner:
             tokens = ids.clone()
             parents = torch.full((B, 1), -1, dtype=torch.long)
         else:
-            tokens = torch.full((B, T), -1, dtype=torch.long)
-            parents = torch.full((B, T), -1, dtype=torch.long)
-            depth = torch.zeros(B, T, dtype=torch.long)
-            for b, (s, d) in enumerate(zip(seqs, drafts)):  # type: ignore[arg-type]
-                tokens[b, 0] = s.last_token
-                if d is not None and len(d):
-                    n = len(d)
-                    tokens[b, 1:n + 1] = torch.tensor(d.tokens)
-                    par = torch.tensor(d.parents) + 1  # root is node 0
-                    parents[b, 1:n + 1] = par
-                    dep = [0] * (n + 1)
-                    for i, p in enumerate(d.parents):
-                        dep[i + 1] = dep[p + 1] + 1
-                    depth[b, : n + 1] = torch.tensor(dep)
+            # Padded rows built as Python lists, then one tensor each: no per-row tensor ops.
+            tok_rows, par_rows, dep_rows = [], [], []
+            for s, d in zip(seqs, drafts):  # type: ignore[arg-type]
+                n = len(d) if d is not None else 0
+                pad = [-1] * (T - 1 - n)
+                if n:
+                    tok_rows.append([s.last_token, *d.tokens, *pad])
+                    par_rows.append([-1, *(p + 1 for p in d.parents), *pad])
+                    dep_rows.append([0, *d.depths, *([0] * len(pad))])
+                else:
+                    tok_rows.append([s.last_token, *pad])
+                    par_rows.append([-1, *pad])
+                    dep_rows.append([0] * T)
+            tokens = torch.tensor(tok_rows, dtype=torch.long)
+            parents = torch.tensor(par_rows, dtype=torch.long)
+            depth = torch.tensor(dep_rows, dtype=torch.long)
             ids = tokens.clamp(min=0)
         max_depth = int(depth.max())
         positions = (lens.unsqueeze(1) + depth).to(dev)

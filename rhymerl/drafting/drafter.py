@@ -1,0 +1,195 @@
+"""HistoSpec's proposer: drafts from each prompt's history and from its live siblings.
+
+For every running sequence, the last ``pattern_max`` tokens (backing off to
+``pattern_min``) are matched against (a) the prompt's stored responses of previous
+rollouts, each prefixed with the prompt's last tokens so the first response tokens can be
+drafted, and (b) the prompt and the tokens that the request's own samples have produced so
+far in this step (siblings rhyme too; this gives drafts in the first epoch). From the
+occurrences of the longest match the drafter follows the heaviest branch (a path) or grows
+a best-first tree, under the request's adaptive draft length and the batch gate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rhymerl.drafting.gate import AcceptanceEstimate, best_width
+from rhymerl.drafting.history import HistoryStore
+from rhymerl.drafting.length_policy import POLICIES
+from rhymerl.drafting.suffix_index import Occurrence, SuffixIndex
+from rhymerl.drafting.tree_builder import draft_path, draft_tree
+from rhymerl.engine.cost_model import CostModel
+from rhymerl.engine.draft import DraftTree
+from rhymerl.engine.sequence import Sequence
+
+
+@dataclass
+class DrafterConfig:
+    max_draft: int = 16
+    tree_budget: int = 0  # >0: tree drafts of up to this many nodes
+    length_policy: str = "additive"
+    min_prob: float = 0.1
+    pattern_max: int = 7
+    pattern_min: int = 3
+    siblings: bool = True
+    use_history: bool = True
+    history_epochs: int = 1
+    reward_weight: float = 0.0  # >0: branches of higher-reward responses weigh more
+    gate: bool = True
+    record: bool = True  # add finished responses to the history
+
+
+@dataclass
+class _Live:
+    index: SuffixIndex
+    sids: dict[int, int] = field(default_factory=dict)  # sample index -> sequence id in index
+    finished: int = 0
+
+
+class Source:
+    """Where drafts come from; subclasses pick occurrences for a sequence's context."""
+
+    def occurrences(self, seq: Sequence, context: list[int]) -> tuple[list[Occurrence], int]:
+        raise NotImplementedError
+
+
+class HistoryDrafter:
+    """A :class:`rhymerl.engine.Proposer` drafting from history and siblings."""
+
+    def __init__(self, cfg: DrafterConfig | None = None, store: HistoryStore | None = None) -> None:
+        self.cfg = cfg or DrafterConfig()
+        self.store = store if store is not None else HistoryStore(max_rollouts=self.cfg.history_epochs)
+        self.policy, cap = POLICIES[self.cfg.length_policy]
+        self.cap = min(cap, self.cfg.max_draft)
+        self.max_nodes = max(self.cfg.tree_budget, self.cap)
+        self.cost_model: CostModel | None = None
+        self.acceptance = AcceptanceEstimate()
+        self.step = 0
+        self._indices: dict[str, tuple[tuple, SuffixIndex]] = {}
+        self._live: dict[int, _Live] = {}
+        self._pending: dict[int, list[Sequence]] = {}
+        self._last_depth: dict[int, int] = {}
+
+    # --- engine hooks -----------------------------------------------------------------
+    @property
+    def wants_cost_model(self) -> bool:
+        return self.cfg.gate
+
+    def attach_cost_model(self, cost: CostModel) -> None:
+        self.cost_model = cost
+
+    def begin(self, step: int) -> None:
+        """A new rollout step starts: finished responses are recorded under this step."""
+        self.step = step
+
+    def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
+        cfg = self.cfg
+        caps = []
+        for s in seqs:
+            if s.draft_len == 0:
+                s.draft_len = 2
+            caps.append(max(0, min(s.draft_len, self.cap, s.limit - len(s.output_ids) - 1)))
+        if cfg.siblings:
+            self._update_live(seqs)
+        alpha = self.acceptance.alpha
+        if cfg.gate and best_width(self.cost_model, caps, alpha, self.cap) == 0:
+            return [None] * len(seqs)  # even full drafts would not pay at this batch size
+        drafts: list[DraftTree | None] = []
+        lengths: list[int] = []
+        for s, cap in zip(seqs, caps):
+            d = self._draft(s, cap) if cap > 0 else None
+            drafts.append(d)
+            lengths.append(len(d) if d is not None else 0)
+        k = best_width(self.cost_model, lengths, alpha, self.max_nodes) if cfg.gate else self.max_nodes
+        if k == 0:
+            return [None] * len(seqs)
+        out = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
+        if cfg.tree_budget > 0:
+            self._last_depth = {id(s): d.depth for s, d in zip(seqs, out) if d is not None}
+        return out
+
+    def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
+        # A tree is "fully accepted" when the walk reached its deepest level.
+        depths = [self._last_depth.pop(id(s), d) for s, d in zip(seqs, drafted)]
+        self.acceptance.update(depths, accepted)
+        for s, d, a in zip(seqs, depths, accepted):
+            if d:
+                s.draft_len = self.policy(s.draft_len, d, a, cap=self.cap)
+
+    def on_finish(self, seq: Sequence) -> None:
+        live = self._live.get(seq.request_id)
+        if live is not None:
+            live.finished += 1
+            if live.finished >= seq.params.n:
+                del self._live[seq.request_id]
+        if not self.cfg.record or seq.prompt_key is None:
+            return
+        group = self._pending.setdefault(seq.request_id, [])
+        group.append(seq)
+        if len(group) == seq.params.n:
+            del self._pending[seq.request_id]
+            group.sort(key=lambda x: x.sample_index)
+            self.store.add(seq.prompt_key, seq.prompt_ids, [g.output_ids for g in group], self.step)
+
+    # --- drafting -----------------------------------------------------------------------
+    def _draft(self, s: Sequence, cap: int) -> DraftTree | None:
+        cfg = self.cfg
+        ctx_len = cfg.pattern_max
+        out = s.output_ids
+        context = out[-ctx_len:] if len(out) >= ctx_len else (s.prompt_ids + out)[-ctx_len:]
+        occ, m = [], 0
+        if cfg.use_history and s.prompt_key is not None:
+            idx = self._history_index(s.prompt_key)
+            if idx is not None:
+                occ, m = idx.match(context, cfg.pattern_max, cfg.pattern_min)
+        live = self._live.get(s.request_id) if cfg.siblings else None
+        if live is not None:
+            occ2, m2 = live.index.match(context, cfg.pattern_max, cfg.pattern_min)
+            if m2 > m:
+                occ, m = occ2, m2
+            elif m2 == m and m:
+                occ = occ + occ2
+        if not occ:
+            return None
+        if cfg.tree_budget > 0:
+            tree, _ = draft_tree(occ, min(cfg.tree_budget, max(cap, 1) * 2), cap, cfg.min_prob)
+            return tree if len(tree) else None
+        toks, _ = draft_path(occ, cap, cfg.min_prob)
+        return DraftTree.path(toks) if toks else None
+
+    def _history_index(self, key: str) -> SuffixIndex | None:
+        h = self.store.prompts.get(key)
+        if h is None or not h.rollouts:
+            return None
+        sig = tuple((r.step, len(r.responses), tuple(x for x in r.rewards)) for r in h.rollouts)
+        cached = self._indices.get(key)
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        idx = SuffixIndex()
+        for r in h.rollouts:
+            for resp, rew in zip(r.responses, r.rewards):
+                w = 1.0 + self.cfg.reward_weight * (rew or 0.0)
+                idx.add(h.prompt_tail + resp, weight=w, final=True)
+        self._indices[key] = (sig, idx)
+        return idx
+
+    def _update_live(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            live = self._live.get(s.request_id)
+            if live is None:
+                live = self._live[s.request_id] = _Live(SuffixIndex())
+                live.index.add(list(s.prompt_ids), final=False)
+            sid = live.sids.get(s.sample_index)
+            if sid is None:
+                tail = s.prompt_ids[-self.cfg.pattern_max:]
+                live.sids[s.sample_index] = live.index.add(tail + list(s.output_ids), final=False)
+            else:
+                toks = live.index.seqs[sid]
+                have = len(toks) - min(len(s.prompt_ids), self.cfg.pattern_max)
+                if have < len(s.output_ids):
+                    toks.extend(s.output_ids[have:])
+                    live.index.extend(sid)
+
+
+def _truncate(d: DraftTree, k: int) -> DraftTree:
+    # Nodes are in best-first order with parents first, so any prefix is a valid tree.
+    return DraftTree(d.tokens[:k], d.parents[:k])

@@ -1,0 +1,59 @@
+"""Batch-level speculation gate: draft only as many tokens per row as pay on this machine.
+
+Scoring ``k`` drafted tokens per row costs ``cost(B, k+1) / cost(B, 1)`` times a plain
+decode step; it yields on average ``1 + f(k)`` tokens per row with ``f(k) = a + a^2 + ...
++ a^k`` for a per-token acceptance ``a``. Large early batches are compute-bound and
+speculate little; the drained long tail speculates a lot.
+"""
+from __future__ import annotations
+
+from rhymerl.engine.cost_model import CostModel
+
+CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    if k <= 0:
+        return 0.0
+    if alpha >= 1.0:
+        return float(k)
+    return alpha * (1 - alpha**k) / (1 - alpha)
+
+
+def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: int) -> int:
+    """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``."""
+    if cost is None or not lengths:
+        return max_k
+    B = len(lengths)
+    best_k, best_rate = 0, B / cost.cost(B, 1)
+    for k in CANDIDATES:
+        if k == 0 or k > max_k:
+            continue
+        width = min(k, max(lengths))
+        gain = B + sum(expected_accepted(alpha, min(k, n)) for n in lengths)
+        rate = gain / cost.cost(B, width + 1)
+        if rate > best_rate * 1.02:  # a margin: do not speculate for a rounding error
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class AcceptanceEstimate:
+    """Per-token acceptance probability from (drafted, accepted) pairs, exponentially decayed.
+
+    Each drafted position up to the first rejection is one trial: accepted tokens are
+    successes, a rejection is one failure, positions after it are unobserved.
+    """
+
+    def __init__(self, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.98) -> None:
+        self.succ, self.fail, self.decay = prior * prior_weight, (1 - prior) * prior_weight, decay
+
+    def update(self, drafted: list[int], accepted: list[int]) -> None:
+        s = sum(a for d, a in zip(drafted, accepted) if d)
+        f = sum(1 for d, a in zip(drafted, accepted) if d and a < d)
+        if s or f:
+            self.succ = self.succ * self.decay + s
+            self.fail = self.fail * self.decay + f
+
+    @property
+    def alpha(self) -> float:
+        return self.succ / (self.succ + self.fail)

@@ -1,0 +1,155 @@
+"""Per-prompt history of responses: what HistoSpec drafts from and HistoPipe predicts lengths from.
+
+Keyed by a stable prompt key (dataset index or prompt hash). Each prompt keeps its last
+``max_rollouts`` rollouts (a rollout = the group of n responses of one step), with rewards
+and lengths; a global token cap evicts the oldest rollouts first. Saved as gzipped JSON
+with a SHA-256 checksum and the tokenizer's fingerprint: a store that fails either check
+is discarded with a warning, because history only ever accelerates, it never breaks a run.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Rollout:
+    step: int
+    responses: list[list[int]]
+    rewards: list[float | None] = field(default_factory=list)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r) for r in self.responses]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass
+class PromptHistory:
+    prompt_tail: list[int]
+    rollouts: deque[Rollout] = field(default_factory=deque)
+
+
+class HistoryStore:
+    def __init__(self, max_rollouts: int = 1, max_total_tokens: int = 50_000_000, prompt_tail: int = 5,
+                 tokenizer_fingerprint: str | None = None) -> None:
+        self.max_rollouts, self.max_total_tokens, self.prompt_tail = max_rollouts, max_total_tokens, prompt_tail
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.prompts: dict[str, PromptHistory] = {}
+        self._order: OrderedDict[tuple[str, int], None] = OrderedDict()  # (key, step) oldest first
+        self.total_tokens = 0
+        self.version = 0  # bumps on every change; drafters rebuild indices lazily
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.prompts and bool(self.prompts[key].rollouts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def add(self, key: str, prompt_ids: list[int], responses: list[list[int]], step: int,
+            rewards: list[float | None] | None = None) -> None:
+        """Record one rollout (all responses of one prompt in one step)."""
+        h = self.prompts.setdefault(key, PromptHistory(list(prompt_ids[-self.prompt_tail:])))
+        h.prompt_tail = list(prompt_ids[-self.prompt_tail:])
+        r = Rollout(step, [list(x) for x in responses], list(rewards) if rewards else [None] * len(responses))
+        if h.rollouts and h.rollouts[-1].step == step:  # the same step again: merge (samples split up)
+            last = h.rollouts[-1]
+            last.responses += r.responses
+            last.rewards += r.rewards
+            self.total_tokens += r.num_tokens
+        else:
+            h.rollouts.append(r)
+            self._order[(key, step)] = None
+            self.total_tokens += r.num_tokens
+            while len(h.rollouts) > self.max_rollouts:
+                self._drop(key, h.rollouts[0].step)
+        while self.total_tokens > self.max_total_tokens and self._order:
+            k, s = next(iter(self._order))
+            self._drop(k, s)
+        self.version += 1
+
+    def set_rewards(self, key: str, step: int, rewards: list[float]) -> None:
+        h = self.prompts.get(key)
+        if h is None:
+            return
+        for r in h.rollouts:
+            if r.step == step and len(r.rewards) == len(rewards):
+                r.rewards = list(rewards)
+                self.version += 1
+
+    def _drop(self, key: str, step: int) -> None:
+        h = self.prompts[key]
+        for r in list(h.rollouts):
+            if r.step == step:
+                h.rollouts.remove(r)
+                self.total_tokens -= r.num_tokens
+        self._order.pop((key, step), None)
+        if not h.rollouts:
+            del self.prompts[key]
+
+    def lengths(self, key: str) -> list[int]:
+        """Response lengths of a prompt's stored rollouts (all kept epochs)."""
+        h = self.prompts.get(key)
+        return [n for r in h.rollouts for n in r.lengths] if h else []
+
+    # --- persistence -------------------------------------------------------------------
+    def _payload(self) -> dict:
+        return {
+            "version": FORMAT_VERSION,
+            "tokenizer": self.tokenizer_fingerprint,
+            "max_rollouts": self.max_rollouts,
+            "prompt_tail": self.prompt_tail,
+            "prompts": {k: {"tail": h.prompt_tail,
+                            "rollouts": [{"step": r.step, "responses": r.responses, "rewards": r.rewards}
+                                         for r in h.rollouts]}
+                        for k, h in self.prompts.items()},
+        }
+
+    def save(self, path: str | Path) -> None:
+        body = json.dumps(self._payload(), separators=(",", ":"), sort_keys=True)
+        doc = json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "body": body})
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with gzip.open(tmp, "wt") as f:
+            f.write(doc)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path, *, tokenizer_fingerprint: str | None = None,
+             max_total_tokens: int = 50_000_000) -> "HistoryStore":
+        """Load a saved store; on any corruption or a foreign tokenizer, warn and return an empty one."""
+        empty = cls(tokenizer_fingerprint=tokenizer_fingerprint, max_total_tokens=max_total_tokens)
+        try:
+            with gzip.open(path, "rt") as f:
+                doc = json.loads(f.read())
+            body = doc["body"]
+            if hashlib.sha256(body.encode()).hexdigest() != doc["sha256"]:
+                raise ValueError("checksum mismatch")
+            data = json.loads(body)
+            if data.get("version") != FORMAT_VERSION:
+                raise ValueError(f"format version {data.get('version')} (expected {FORMAT_VERSION})")
+        except Exception as e:  # noqa: BLE001 - a broken history must never stop training
+            log.warning("history store %s discarded (%s); continuing without drafts from history", path, e)
+            return empty
+        if tokenizer_fingerprint and data["tokenizer"] and data["tokenizer"] != tokenizer_fingerprint:
+            log.warning("history store %s belongs to another tokenizer (%s != %s); discarded",
+                        path, data["tokenizer"], tokenizer_fingerprint)
+            return empty
+        store = cls(max_rollouts=data["max_rollouts"], max_total_tokens=max_total_tokens,
+                    prompt_tail=data["prompt_tail"], tokenizer_fingerprint=data["tokenizer"])
+        rows = [(r["step"], k, h["tail"], r) for k, h in data["prompts"].items() for r in h["rollouts"]]
+        for step, key, tail, r in sorted(rows, key=lambda x: x[0]):
+            store.add(key, tail, r["responses"], step, r["rewards"])
+        return store

@@ -1,0 +1,82 @@
+"""How much one forward pass costs as a function of batch size and tokens scored per row.
+
+Measured on the actual model and device when speculation is switched on (about a second on
+a CPU), so the speculation gate decides on this machine's numbers, not on assumptions.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.model import CacheView, CausalLM
+
+
+class CostModel:
+    """``cost(B, T)``: seconds of one forward with ``B`` rows scoring ``T`` tokens each."""
+
+    def __init__(self, table: dict[tuple[int, int], float]) -> None:
+        self.table = table
+        self.batches = sorted({b for b, _ in table})
+        self.widths = sorted({t for _, t in table})
+
+    def cost(self, B: int, T: int) -> float:
+        def around(xs: list[int], x: int) -> tuple[int, int, float]:
+            i = bisect.bisect_left(xs, x)
+            if i == 0:
+                return xs[0], xs[0], 0.0
+            if i >= len(xs):
+                return xs[-2] if len(xs) > 1 else xs[-1], xs[-1], 1.0 + (x - xs[-1]) / max(1, xs[-1] - xs[-2]) \
+                    if len(xs) > 1 else 1.0
+            lo, hi = xs[i - 1], xs[i]
+            return lo, hi, (x - lo) / (hi - lo)
+
+        b0, b1, fb = around(self.batches, B)
+        t0, t1, ft = around(self.widths, T)
+
+        def get(b: int, t: int) -> float:
+            if (b, t) in self.table:
+                return self.table[(b, t)]
+            # outside the measured grid: scale the nearest measured width linearly in tokens
+            known = [tt for (bb, tt) in self.table if bb == b]
+            tt = max(known)
+            return self.table[(b, tt)] * t / tt
+
+        c0 = get(b0, t0) + (get(b0, t1) - get(b0, t0)) * ft
+        c1 = get(b1, t0) + (get(b1, t1) - get(b1, t0)) * ft
+        return max(1e-6, c0 + (c1 - c0) * fb)
+
+    def relative(self, B: int, T: int) -> float:
+        return self.cost(B, T) / self.cost(B, 1)
+
+
+@torch.inference_mode()
+def calibrate(model: CausalLM, cache: KVCache, device: torch.device, max_batch: int, max_width: int,
+              context: int = 96, budget_tokens: int = 8192) -> CostModel:
+    """Time forwards over a grid of batch sizes and widths, reusing the engine's KV memory."""
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= min(max_batch, cache.num_slots)]
+    widths = [t for t in (1, 2, 3, 5, 9, 17, 33) if t <= max_width]
+    context = min(context, cache.capacity - max(widths))
+    table: dict[tuple[int, int], float] = {}
+    for B in batches:
+        for T in widths:
+            if B * T > budget_tokens and T > 1:
+                continue
+            ids = torch.zeros(B, T, dtype=torch.long, device=device)
+            pos = (context + torch.arange(T, device=device)).expand(B, T)
+            mask = torch.ones(B, 1, T, context + T, dtype=torch.bool, device=device)
+            view = CacheView(cache.k[:, :B], cache.v[:, :B], pos, mask)
+            best = float("inf")
+            for i in range(4):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                model(ids, pos, view)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i:  # the first run warms up
+                    best = min(best, time.perf_counter() - t0)
+            table[(B, T)] = best
+    return CostModel(table)

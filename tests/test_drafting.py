@@ -1,0 +1,197 @@
+"""HistoSpec: index, drafter, length control, gate, history store, and losslessness."""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+
+import pytest
+import torch
+
+from rhymerl import LLM, SamplingParams
+from rhymerl.drafting import HistoryStore, SuffixIndex, build_proposer
+from rhymerl.drafting.gate import AcceptanceEstimate, best_width, expected_accepted
+from rhymerl.drafting.length_policy import additive, multiplicative
+from rhymerl.drafting.tree_builder import draft_path, draft_tree
+from rhymerl.engine.cost_model import CostModel
+from rhymerl.engine.sampler import sampling_logprobs, uniforms
+from tests.conftest import tiny_model
+
+
+def test_suffix_index_backs_off_to_longest_match():
+    idx = SuffixIndex()
+    idx.add([1, 2, 3, 4, 5, 6, 7])
+    idx.add([9, 9, 3, 4, 5, 8])
+    occ, m = idx.match([0, 2, 3, 4, 5], max_match=7)  # "2 3 4 5" matches only the first
+    assert m == 4 and [o.tokens[o.pos] for o in occ] == [6]
+    occ, m = idx.match([7, 7, 3, 4, 5], max_match=7)  # only "3 4 5": both continue
+    assert m == 3 and sorted(o.tokens[o.pos] for o in occ) == [6, 8]
+    assert idx.match([1, 1, 1], 7) == ([], 0)
+    assert idx.match([1, 2, 3, 4, 5], max_match=7, min_match=6) == ([], 0)
+
+
+def test_live_sequence_end_is_not_a_match_but_grows():
+    idx = SuffixIndex()
+    toks = [1, 2, 3]
+    sid = idx.add(toks, final=False)
+    assert idx.match([1, 2, 3], 7) == ([], 0)  # the growing end has no continuation yet
+    toks += [4, 1, 2, 3]
+    idx.extend(sid)
+    occ, m = idx.match([4, 1, 2, 3], 7)
+    assert m == 3 and [o.tokens[o.pos] for o in occ] == [4]
+
+
+def test_draft_path_follows_heaviest_branch_and_stops_below_min_prob():
+    idx = SuffixIndex()
+    for seq in ([5, 6, 7, 1, 2, 3], [5, 6, 7, 1, 2, 4], [5, 6, 7, 1, 9, 9], [5, 6, 7, 8]):
+        idx.add(seq)
+    occ, _ = idx.match([5, 6, 7], 7)
+    toks, probs = draft_path(occ, 10, min_prob=0.1)
+    # 1 (3/4), 2 (2/3 of those), then 3 vs 4 split: 0.75 * 0.667 * 0.5 = 0.25 >= 0.1
+    assert toks[:2] == [1, 2] and probs[0] == pytest.approx(0.75) and probs[1] == pytest.approx(0.5)
+    toks, _ = draft_path(occ, 10, min_prob=0.6)
+    assert toks == [1]
+    toks, _ = draft_path(occ, 1, min_prob=0.0)
+    assert toks == [1]
+
+
+def test_draft_tree_best_first_under_budget():
+    idx = SuffixIndex()
+    for seq in ([5, 6, 7, 1, 2], [5, 6, 7, 1, 3], [5, 6, 7, 4, 2]):
+        idx.add(seq)
+    occ, _ = idx.match([5, 6, 7], 7)
+    tree, probs = draft_tree(occ, budget=3, max_depth=4, min_prob=0.1)
+    assert tree.tokens[0] == 1 and tree.parents[0] == -1 and probs[0] == pytest.approx(2 / 3)
+    assert len(tree) == 3 and sorted(probs, reverse=True) == probs
+    assert set(zip(tree.tokens, tree.parents)) <= {(1, -1), (4, -1), (2, 0), (3, 0), (2, 1)}
+
+
+def test_length_policies():
+    assert additive(2, 2, 2) == 4 and additive(30, 30, 30) == 32 and additive(8, 8, 3) == 2
+    assert multiplicative(4, 4, 4) == 8 and multiplicative(16, 16, 16) == 16 and multiplicative(8, 8, 2) == 4
+    assert multiplicative(1, 1, 0) == 1
+
+
+def test_gate_speculates_less_when_compute_bound():
+    # cost grows with width at batch 64, barely at batch 1 (the shape measured on a CPU)
+    table = {}
+    for B, slope in ((1, 0.02), (64, 0.25)):
+        for T in (1, 2, 3, 5, 9, 17, 33):
+            table[(B, T)] = B * 0.0001 * (1 + slope * (T - 1)) if B > 1 else 0.001 * (1 + slope * (T - 1))
+    cost = CostModel(table)
+    assert best_width(cost, [16], 0.8, 16) >= 8
+    assert best_width(cost, [16] * 64, 0.3, 16) <= 2
+    assert best_width(cost, [16] * 64, 0.3, 16) < best_width(cost, [16], 0.3, 16)
+    assert expected_accepted(0.5, 2) == pytest.approx(0.75)
+    est = AcceptanceEstimate(prior=0.5, prior_weight=2, decay=1.0)
+    est.update([4, 4], [4, 1])  # 5 successes, 1 failure
+    assert est.alpha == pytest.approx(6 / 8)
+
+
+def test_history_store_caps_and_persistence(tmp_path, caplog):
+    st = HistoryStore(max_rollouts=2, max_total_tokens=40, tokenizer_fingerprint="abc")
+    st.add("p1", [9, 9, 9, 9, 9, 9, 1], [[1, 2, 3], [1, 2]], step=0, rewards=[1.0, 0.0])
+    st.add("p1", [9, 1], [[4, 5]], step=1)
+    st.add("p1", [9, 1], [[6]], step=2)
+    assert [r.step for r in st.prompts["p1"].rollouts] == [1, 2]  # oldest out
+    assert st.prompts["p1"].prompt_tail == [9, 1]
+    st.add("p2", [3], [[7] * 36], step=3)  # over the total cap: oldest rollouts go first
+    assert st.total_tokens <= 40 and "p2" in st
+    st.save(tmp_path / "h.json.gz")
+    back = HistoryStore.load(tmp_path / "h.json.gz", tokenizer_fingerprint="abc")
+    assert back.lengths("p2") == [36] and back.total_tokens == st.total_tokens
+    with caplog.at_level(logging.WARNING):
+        assert len(HistoryStore.load(tmp_path / "h.json.gz", tokenizer_fingerprint="xyz")) == 0
+        assert "another tokenizer" in caplog.text
+    doc = json.loads(gzip.open(tmp_path / "h.json.gz", "rt").read())
+    assert "\"step\":3" in doc["body"]
+    doc["body"] = doc["body"].replace("\"step\":3", "\"step\":4", 1)
+    with gzip.open(tmp_path / "bad.json.gz", "wt") as f:
+        f.write(json.dumps(doc))
+    with caplog.at_level(logging.WARNING):
+        assert len(HistoryStore.load(tmp_path / "bad.json.gz")) == 0
+        assert "checksum" in caplog.text
+    (tmp_path / "junk.json.gz").write_bytes(b"not gzip")
+    assert len(HistoryStore.load(tmp_path / "junk.json.gz")) == 0
+
+
+# --- losslessness ----------------------------------------------------------------------
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [1, 5, 1, 5, 1], [9, 8, 7, 6, 5, 4], [11, 12]]
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+def _is_float_tie(model, prompt, out, pos, sp: SamplingParams, sample: int, tol: float = 1e-5) -> bool:
+    """Was the token at ``pos`` decided by a float tie? Recompute that position's
+    distribution from scratch (no cache) and check whether the seeded uniform lies within
+    ``tol`` of a CDF boundary (sampling), or the top two logits within ``tol`` (greedy)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out[:pos]]))[0, -1:]
+    if sp.temperature == 0:
+        top = logits[0].topk(2).values
+        return bool(top[0] - top[1] < tol)
+    logp = sampling_logprobs(logits, torch.tensor([sp.temperature]), torch.tensor([sp.top_p]),
+                             torch.tensor([sp.top_k]))
+    cdf = logp.double().exp().cumsum(-1)[0]
+    u = uniforms(torch.tensor([sp.seed]), torch.tensor([sample]), torch.tensor([pos]))[0]
+    return bool(((cdf - u * cdf[-1]).abs() < tol).any())
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, -1), (1.0, 1.0, -1), (0.7, 0.9, -1),
+                                                      (1.3, 1.0, 8)])
+@pytest.mark.parametrize("tree_budget", [0, 8])
+def test_speculation_emits_identical_tokens(temperature, top_p, top_k, tree_budget):
+    model = tiny_model(std=0.25)
+    keys = [f"p{i}" for i in range(len(PROMPTS))]
+    base = LLM(model, max_num_seqs=16, max_model_len=96)
+    store = HistoryStore(max_rollouts=2)
+    for ep in range(2):  # history: two previous epochs, as RL would have
+        sp = SamplingParams(n=4, temperature=max(temperature, 0.8), max_tokens=40, ignore_eos=True, seed=100 + ep)
+        for k, p, o in zip(keys, PROMPTS, base.generate(PROMPTS, sp, use_tqdm=False)):
+            store.add(k, p, [c.token_ids for c in o.outputs], ep)
+    sp = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=40, ignore_eos=True,
+                        seed=7)
+    plain = base.generate(PROMPTS, sp, use_tqdm=False)
+    spec = LLM(model, max_num_seqs=16, max_model_len=96,
+               speculative=build_proposer({"method": "history", "gate": False, "tree_budget": tree_budget,
+                                           "record": False}, store))
+    fast = spec.generate(PROMPTS, sp, prompt_keys=keys, use_tqdm=False)
+    assert spec.engine.stats.accepted > 0, "the test must exercise accepted drafts"
+    ties = 0
+    for p, a, b in zip(PROMPTS, plain, fast):
+        for ca, cb in zip(a.outputs, b.outputs):
+            if ca.token_ids != cb.token_ids:
+                pos = _first_diff(ca.token_ids, cb.token_ids)
+                assert _is_float_tie(model, p, ca.token_ids, pos, sp, ca.index), (p, ca.index, pos)
+                ties += 1
+    assert ties <= 1
+
+
+def test_sampled_distribution_agrees_chi_square():
+    """Unseeded sampling: the distribution of drafted positions is the target's."""
+    torch.manual_seed(0)
+    model = tiny_model(std=0.12, vocab_size=6)  # a flat-ish distribution over 6 tokens
+    prompt = [1, 2, 3, 4]
+    store = HistoryStore()
+    # one stored response per possible first token: every sample gets drafts at positions 1-3
+    store.add("k", prompt, [[t, 1, 1, 1] for t in range(6)] + [[t, 1, 2, 2] for t in range(6)], 0)
+    n = 1500
+    sp = SamplingParams(n=n, temperature=1.0, max_tokens=4, ignore_eos=True)
+    plain = LLM(model, max_num_seqs=512, max_model_len=16, seed=1).generate([prompt], sp, use_tqdm=False)[0]
+    spec_llm = LLM(model, max_num_seqs=512, max_model_len=16, seed=2,
+                   speculative=build_proposer({"method": "history", "gate": False, "siblings": False,
+                                               "record": False, "min_prob": 0.0}, store))
+    spec = spec_llm.generate([prompt], sp, prompt_keys=["k"], use_tqdm=False)[0]
+    assert spec_llm.engine.stats.drafted > 2 * n and spec_llm.engine.stats.accepted > 100
+    for pos in (1, 2, 3):  # positions reached through drafts
+        a = torch.bincount(torch.tensor([c.token_ids[pos] for c in plain.outputs]), minlength=6).double()
+        b = torch.bincount(torch.tensor([c.token_ids[pos] for c in spec.outputs]), minlength=6).double()
+        keep = (a + b) > 0
+        a, b = a[keep], b[keep]
+        expected_a = (a + b) / 2
+        chi2 = (((a - expected_a) ** 2) / expected_a + ((b - expected_a) ** 2) / expected_a).sum()
+        df = keep.sum().item() - 1
+        p_value = torch.special.gammaincc(torch.tensor(df / 2.0), chi2 / 2).item()
+        assert p_value > 0.001, (pos, chi2.item(), p_value)
