@@ -68,6 +68,8 @@ class SpeculativeSection:
     pattern_min: int = 3
     siblings: bool = True
     history_epochs: int = 1
+    reward_weight: float = 0.0
+    gate: bool = True
 
 
 @dataclass

@@ -86,6 +86,12 @@ def test_gate_speculates_less_when_compute_bound():
     est = AcceptanceEstimate(prior=0.5, prior_weight=2, decay=1.0)
     est.update([4, 4], [4, 1])  # 5 successes, 1 failure
     assert est.alpha == pytest.approx(6 / 8)
+    est = AcceptanceEstimate(prior=0.6, prior_weight=4, decay=0.9)
+    est.update([8] * 10, [0] * 10)  # a bad patch...
+    low = est.alpha
+    for _ in range(50):
+        est.update([], [])  # ...then no drafts: the estimate drifts back to the prior
+    assert low < 0.2 and est.alpha == pytest.approx(0.6, abs=0.05)
 
 
 def test_history_store_caps_and_persistence(tmp_path, caplog):

@@ -78,8 +78,14 @@ class HistoryDrafter:
         self.cost_model = cost
 
     def begin(self, step: int) -> None:
-        """A new rollout step starts: finished responses are recorded under this step."""
+        """A new rollout step starts: finished responses are recorded under this step.
+
+        The history just changed, so the acceptance estimate is pulled halfway back to its prior.
+        """
         self.step = step
+        a = self.acceptance
+        a.succ = 0.5 * (a.succ + a.prior * a.prior_weight)
+        a.fail = 0.5 * (a.fail + (1 - a.prior) * a.prior_weight)
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
         cfg = self.cfg

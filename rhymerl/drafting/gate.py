@@ -45,14 +45,17 @@ class AcceptanceEstimate:
     """
 
     def __init__(self, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.98) -> None:
-        self.succ, self.fail, self.decay = prior * prior_weight, (1 - prior) * prior_weight, decay
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.succ, self.fail = prior * prior_weight, (1 - prior) * prior_weight
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
+        """Decay old evidence toward the prior (so a gate that stopped drafting after a bad
+        patch tries again), then add this step's trials."""
         s = sum(a for d, a in zip(drafted, accepted) if d)
         f = sum(1 for d, a in zip(drafted, accepted) if d and a < d)
-        if s or f:
-            self.succ = self.succ * self.decay + s
-            self.fail = self.fail * self.decay + f
+        keep = self.decay
+        self.succ = self.succ * keep + (1 - keep) * self.prior * self.prior_weight + s
+        self.fail = self.fail * keep + (1 - keep) * (1 - self.prior) * self.prior_weight + f
 
     @property
     def alpha(self) -> float:

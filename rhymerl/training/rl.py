@@ -1,11 +1,41 @@
-"""The main job: ``rhymerl train``."""
+"""The main job: ``rhymerl train``. One synchronous, on-policy step:
+
+rollout (n responses per prompt, seeded per step and prompt key) -> rewards -> advantages
+-> old log-probs -> policy update -> weight sync into the engine -> history update.
+Every response of step t comes from the weights of step t.
+"""
 from __future__ import annotations
 
+import copy
 import json
+import logging
+import math
+import time
+import zlib
 from pathlib import Path
+from typing import Any
 
-from rhymerl.config import RunConfig, load_config
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rhymerl.config import RunConfig, load_config, save_config
+from rhymerl.data import PromptRow
+from rhymerl.data.loader import PromptLoader
+from rhymerl.data.splits import task_splits
+from rhymerl.device import resolve_device, resolve_dtype
+from rhymerl.engine import LLM, SamplingParams
+from rhymerl.model import load_pretrained
+from rhymerl.rewards import RewardRegistry, load_reward_file
+from rhymerl.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rhymerl.training.algos import ADV_ESTIMATORS, overlong_penalty
+from rhymerl.training.checkpoint import latest_checkpoint, load_checkpoint_into, save_checkpoint
+from rhymerl.training.evaluate import evaluate
+from rhymerl.training.metrics import MetricsLogger, plot_run, read_metrics
 from rhymerl.training.sft import CARD, run_sft, sft_output_dir
+from rhymerl.training.trainer import Experience, PolicyTrainer
+
+log = logging.getLogger(__name__)
 
 
 def ensure_base_model(cfg: RunConfig) -> Path:
@@ -27,7 +57,301 @@ def ensure_base_model(cfg: RunConfig) -> Path:
     return out
 
 
-def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_path: str | None = None) -> int:
-    cfg = cfg or load_config()
-    ensure_base_model(cfg)
+def rollout_seed(seed: int, step: int, key: str) -> int:
+    """The sampling seed of one prompt at one step: stable across processes and restarts."""
+    return (zlib.crc32(f"{seed}:{step}:{key}".encode()) << 20 | step) & ((1 << 62) - 1)
+
+
+def run_dir_for(cfg: RunConfig) -> Path:
+    return Path(cfg.trainer.output_dir.format(task=cfg.data.task, seed=cfg.seed))
+
+
+class RLRun:
+    """All state of one training run; ``run()`` executes it from its current step."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: bool = True) -> None:
+        self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        base = ensure_base_model(cfg)
+        self.device = resolve_device(cfg.model.device)
+        dtype = resolve_dtype(cfg.model.dtype)
+        self.tokenizer = load_tokenizer(base)
+        self.model = load_pretrained(base, device=self.device, dtype=torch.float32 if self.device.type == "cpu"
+                                     else dtype)
+        ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+        self.train_rows, self.val_rows = task_splits(cfg.data, cfg.seed)
+        self.loader = PromptLoader(self.train_rows, cfg.trainer.batch_prompts, cfg.seed)
+        self.rewards = RewardRegistry()
+        if cfg.data.reward_file:
+            fn = load_reward_file(cfg.data.reward_file, cfg.data.reward_fn_name)
+            for src in {r.data_source for r in self.train_rows + self.val_rows}:
+                self.rewards.register(src, fn)
+        steps_per_update = cfg.trainer.ppo_epochs * cfg.trainer.ppo_mini_batches
+        self.trainer = PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref,
+                                     total_optimizer_steps=cfg.trainer.steps * steps_per_update)
+        spec = cfg.rollout.speculative
+        speculative = None
+        if spec.method != "none":
+            from rhymerl.drafting import HistoryStore, build_proposer
+
+            store = HistoryStore(max_rollouts=spec.history_epochs,
+                                 tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
+            fields = {k: v for k, v in vars(spec).items() if k != "method"}
+            speculative = build_proposer({"method": spec.method, **fields}, store)
+        self.history = getattr(speculative, "store", None)
+        engine_model = copy.deepcopy(self.model).eval()
+        self.llm = LLM(engine_model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
+                       max_model_len=cfg.rollout.max_model_len, device=str(self.device), dtype=cfg.model.dtype,
+                       speculative=speculative, seed=cfg.seed)
+        self.metrics = MetricsLogger(run_dir)
+        self.step = 0
+        self.initial_accuracy: float | None = None
+
+    # --- resume ----------------------------------------------------------------------------
+    def resume(self) -> bool:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return False
+        state = load_checkpoint_into(ckpt, self.model, self.trainer.optimizer, self.trainer.scheduler,
+                                     device=self.device, dtype=next(self.model.parameters()).dtype)
+        self.step = state["step"]
+        self.loader.load_state_dict(state["loader"])
+        self.initial_accuracy = state.get("initial_accuracy")
+        self.trainer.bad_steps = state.get("bad_steps", 0)
+        if self.history is not None and (ckpt / "history.json.gz").exists():
+            from rhymerl.drafting import HistoryStore
+
+            loaded = HistoryStore.load(ckpt / "history.json.gz",
+                                       tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
+            self.history.__dict__.update(loaded.__dict__)
+        self.llm.update_weights(dict(self.model.named_parameters()))
+        self.metrics.truncate_after(self.step)
+        print(f"resumed {self.run_dir} from {ckpt.name}")
+        return True
+
+    # --- one step ------------------------------------------------------------------------------
+    def _rollout(self, rows: list[PromptRow], step: int) -> tuple[list, list]:
+        r = self.cfg.rollout
+        params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                 max_tokens=r.max_tokens, seed=rollout_seed(self.cfg.seed, step, row.key))
+                  for row in rows]
+        outs = self.llm.generate([row.prompt for row in rows], params, prompt_keys=[row.key for row in rows],
+                                 step=step, use_tqdm=False)
+        return rows, outs
+
+    def _score(self, rows: list[PromptRow], outs: list) -> tuple[list[list[float]], int, dict[str, list[float]]]:
+        errors = 0
+        extras: dict[str, list[float]] = {}
+        scores = []
+        for row, o in zip(rows, outs):
+            if o.error:
+                raise ValueError(f"prompt {row.key}: {o.error}")
+            g = []
+            for c in o.outputs:
+                res = self.rewards.score(row.data_source, c.text, row.ground_truth, row.extra_info,
+                                         where=f"prompt {row.key} sample {c.index}")
+                if res.error:
+                    errors += 1
+                    log.warning(res.error)
+                for k, v in res.extra.items():
+                    extras.setdefault(k, []).append(v)
+                g.append(res.score)
+            scores.append(g)
+        return scores, errors, extras
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg, algo = self.cfg, self.cfg.algorithm
+        t_step = time.perf_counter()
+        st = self.llm.engine.stats
+        s0 = (st.forwards, sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated)
+        t = time.perf_counter()
+        rows, outs = self._rollout(self.loader.next_batch(), step)
+        gen_s = time.perf_counter() - t
+        t = time.perf_counter()
+        scores, errors, extras = self._score(rows, outs)
+        reward_s = time.perf_counter() - t
+        kept_rows, kept_outs, kept_scores = rows, outs, scores
+        filtered = 0
+        if algo.dynamic_sampling:  # DAPO: drop groups that teach nothing, draw more (bounded)
+            keep = [i for i, g in enumerate(scores) if max(g) != min(g)]
+            filtered = len(rows) - len(keep)
+            kept_rows = [rows[i] for i in keep]
+            kept_outs = [outs[i] for i in keep]
+            kept_scores = [scores[i] for i in keep]
+            for _ in range(algo.max_resample_batches):
+                if len(kept_rows) >= cfg.trainer.batch_prompts:
+                    break
+                t = time.perf_counter()
+                more_rows, more_outs = self._rollout(self.loader.next_batch(), step)
+                gen_s += time.perf_counter() - t
+                more_scores, e2, _ = self._score(more_rows, more_outs)
+                errors += e2
+                for r_, o_, s_ in zip(more_rows, more_outs, more_scores):
+                    if max(s_) != min(s_):
+                        kept_rows.append(r_)
+                        kept_outs.append(o_)
+                        kept_scores.append(s_)
+            kept_rows = kept_rows[: cfg.trainer.batch_prompts]
+            kept_outs = kept_outs[: cfg.trainer.batch_prompts]
+            kept_scores = kept_scores[: cfg.trainer.batch_prompts]
+        if self.history is not None:
+            for row, g in zip(rows, scores):
+                self.history.set_rewards(row.key, step, g)
+
+        prompts, responses, flat_scores, groups, lengths, clipped = [], [], [], [], [], []
+        for gi, (o, g) in enumerate(zip(kept_outs, kept_scores)):
+            for c, s in zip(o.outputs, g):
+                prompts.append(o.prompt_token_ids)
+                responses.append(c.token_ids)
+                flat_scores.append(s)
+                groups.append(gi)
+                lengths.append(len(c.token_ids))
+                clipped.append(c.finish_reason == "length")
+        score_t = torch.tensor(flat_scores, dtype=torch.float32)
+        reward_t = score_t + overlong_penalty(torch.tensor(lengths), cfg.rollout.max_tokens, algo.overlong_buffer,
+                                              algo.overlong_penalty)
+        metrics: dict[str, Any] = {}
+        if responses:
+            adv = ADV_ESTIMATORS[algo.adv_estimator](reward_t, torch.tensor(groups),
+                                                     norm_by_std=algo.norm_adv_by_std)
+            exp = Experience.build(prompts, responses, adv.tolist(), self.tokenizer.pad_token_id or 0)
+            t = time.perf_counter()
+            self.trainer.compute_logps(exp)
+            old_s = time.perf_counter() - t
+            t = time.perf_counter()
+            metrics.update(self.trainer.update(exp, step, cfg.seed))
+            upd_s = time.perf_counter() - t
+        else:
+            old_s = upd_s = 0.0
+            log.warning("step %d: every group had equal rewards; no update", step)
+        t = time.perf_counter()
+        self.llm.update_weights(dict(self.model.named_parameters()))
+        sync_s = time.perf_counter() - t
+        step_s = time.perf_counter() - t_step
+
+        all_scores = [s for g in scores for s in g]
+        all_lens = [len(c.token_ids) for o in outs for c in o.outputs]
+        rows_f = sum(st.batch_sizes) - s0[1]
+        acc = st.accepted - s0[2]
+        drafted = st.drafted - s0[3]
+        gen_tokens = st.generated - s0[5]
+        metrics.update({
+            "critic/score/mean": float(np.mean(all_scores)),
+            "critic/score/max": float(np.max(all_scores)),
+            "critic/rewards/mean": float(reward_t.mean()) if responses else 0.0,
+            "critic/advantages/abs_mean": float(adv.abs().mean()) if responses else 0.0,
+            "response_length/mean": float(np.mean(all_lens)),
+            "response_length/max": int(np.max(all_lens)),
+            "response_length/min": int(np.min(all_lens)),
+            "response_length/clip_ratio": float(np.mean([c.finish_reason == "length" for o in outs
+                                                         for c in o.outputs])),
+            "reward/errors": errors,
+            "data/filtered_groups": filtered,
+            "data/epoch": self.loader.state.epoch,
+            "timing_s/gen": gen_s, "timing_s/reward": reward_s, "timing_s/old_logp": old_s,
+            "timing_s/update": upd_s, "timing_s/sync": sync_s, "timing_s/step": step_s,
+            "perf/throughput": gen_tokens / step_s,
+            "perf/gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+            "spec/accepted_per_forward": (rows_f + acc) / rows_f if rows_f else 1.0,
+            "spec/forwards_per_token": rows_f / max(1, gen_tokens - (len(all_lens) if all_lens else 0)),
+            "spec/acceptance_rate": acc / drafted if drafted else 0.0,
+            "spec/draft_ms": 1000 * (st.draft_s - s0[4]),
+            "spec/decode_forwards": st.forwards - s0[0],
+        })
+        metrics.update({f"reward_extra/{k}": float(np.mean(v)) for k, v in extras.items()})
+        return metrics
+
+    def evaluate(self) -> float:
+        ev = evaluate(self.llm, self.val_rows, self.rewards, max_tokens=self.cfg.rollout.max_tokens)
+        return ev.accuracy
+
+    # --- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self.initial_accuracy is None:
+            self.initial_accuracy = self.evaluate() if self.val_rows else None
+            if self.initial_accuracy is not None:
+                self.metrics.log(0, {"val/accuracy": self.initial_accuracy})
+        bar = tqdm(range(self.step + 1, cfg.trainer.steps + 1), desc="rl", disable=not self.progress,
+                   initial=self.step, total=cfg.trainer.steps)
+        for step in bar:
+            m = self.train_step(step)
+            if self.val_rows and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
+                m["val/accuracy"] = self.evaluate()
+            self.metrics.log(step, m)
+            self.step = step
+            bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", gen=f"{m['timing_s/gen']:.1f}s",
+                            acc_fwd=f"{m['spec/accepted_per_forward']:.2f}",
+                            val=f"{m.get('val/accuracy', float('nan')):.2f}")
+            if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+                save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.trainer.optimizer,
+                                self.trainer.scheduler,
+                                {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
+                                 "bad_steps": self.trainer.bad_steps},
+                                self.history)
+        bar.close()
+        self.metrics.close()
+        plots = plot_run(self.run_dir)
+        summary = summarize(self.run_dir, self.initial_accuracy, time.perf_counter() - t0)
+        summary["plots"] = [str(p) for p in plots]
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def summarize(run_dir: Path, initial_accuracy: float | None, wall_s: float) -> dict[str, Any]:
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
+    vals = [r["val/accuracy"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r]
+    if not rows:
+        return {}
+
+    def total(k: str) -> float:
+        return float(sum(r.get(k, 0.0) for r in rows))
+
+    steps_s = total("timing_s/step")
+    return {
+        "steps": len(rows),
+        "accuracy_before": initial_accuracy,
+        "accuracy_after": vals[-1] if vals else None,
+        "wall_s": wall_s,
+        "time_split": {k.split("/")[1]: round(total(k) / steps_s, 3) for k in
+                       ("timing_s/gen", "timing_s/reward", "timing_s/old_logp", "timing_s/update", "timing_s/sync")},
+        "spec_accepted_per_forward": float(np.mean([r["spec/accepted_per_forward"] for r in rows])),
+        "spec_forwards_per_token": float(np.mean([r["spec/forwards_per_token"] for r in rows])),
+        "final_score": rows[-1]["critic/score/mean"],
+    }
+
+
+def print_summary(s: dict[str, Any], run_dir: Path) -> None:
+    if not s:
+        return
+    b, a = s["accuracy_before"], s["accuracy_after"]
+    print(f"\nrun: {run_dir}  ({s['steps']} steps, {s['wall_s']:.0f}s)")
+    if b is not None and a is not None:
+        print(f"held-out greedy accuracy: {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f} points)")
+    print("time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["time_split"].items()))
+    print(f"speculation: {s['spec_accepted_per_forward']:.2f} tokens per sequence per forward "
+          f"(= {1 / max(s['spec_forwards_per_token'], 1e-9):.2f}x fewer target forwards per token); "
+          f"`rhymerl bench e2e` measures the wall-clock speed-up against no speculation")
+    for p in s.get("plots", []):
+        print(f"plots: {p}")
+
+
+def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_path: str | None = None,
+          progress: bool = True) -> int:
+    if resume:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").exists():
+            raise FileNotFoundError(f"{run_dir}: no config.yaml (not a run folder)")
+        cfg = load_config(run_dir / "config.yaml")
+    else:
+        cfg = cfg or load_config()
+        run_dir = run_dir_for(cfg)
+        if latest_checkpoint(run_dir) is not None:
+            print(f"{run_dir} already has checkpoints: continuing it (use another trainer.output_dir to start anew)")
+    run = RLRun(cfg, run_dir, progress=progress)
+    run.resume()
+    summary = run.run()
+    print_summary(summary, run_dir)
     return 0

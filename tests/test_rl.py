@@ -1,0 +1,139 @@
+"""The RL loop: a real run on a tiny config, NaN handling, and kill-and-resume exactness."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rhymerl.config import load_config
+from rhymerl.training.checkpoint import latest_checkpoint
+from rhymerl.training.metrics import read_metrics
+
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=2",
+        "model.num_key_value_heads=1", "sft.steps=60", "sft.batch_size=16", "sft.num_examples=500",
+        "sft.eval_prompts=8", "data.num_val=8", "data.num_train=6", "trainer.batch_prompts=4", "rollout.n=2",
+        "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
+        "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+        "rollout.speculative.max_draft=4"]
+SPEED_KEYS = ("timing_s/", "perf/", "spec/")
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> str:
+    from rhymerl.training.sft import run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    run_sft(load_config(None, TINY), out, progress=False)
+    return str(out)
+
+
+def _overrides(base: str, run_dir: Path) -> list[str]:
+    return TINY + [f"model.path={base}", f"trainer.output_dir={run_dir}"]
+
+
+def _learning_metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(SPEED_KEYS)} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def test_train_runs_and_writes_run_folder(base_model, tmp_path):
+    from rhymerl.training.rl import train
+
+    train(load_config(None, _overrides(base_model, tmp_path / "run")), progress=False)
+    run = tmp_path / "run"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for key in ("timing_s/gen", "timing_s/update", "perf/throughput", "response_length/mean", "critic/score/mean",
+                "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+                "spec/accepted_per_forward", "spec/forwards_per_token", "spec/draft_ms"):
+        assert key in rows[1], key
+    assert (run / "plots.png").exists() and (run / "config.yaml").exists()
+    assert list((run / "tensorboard").glob("events.*"))
+    assert rows[-1]["data/epoch"] >= 1  # 6 prompts, 4 per step: crossed an epoch boundary
+    ckpt = latest_checkpoint(run)
+    assert ckpt is not None and ckpt.name == "step_000004" and (ckpt / "history.json.gz").exists()
+    from rhymerl.training.checkpoint import export_policy
+    from transformers import AutoModelForCausalLM
+
+    out = export_policy(run)
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_speculation_does_not_change_learning(base_model, tmp_path):
+    from rhymerl.training.rl import train
+
+    train(load_config(None, _overrides(base_model, tmp_path / "a") + ["rollout.speculative.method=none"]),
+          progress=False)
+    train(load_config(None, _overrides(base_model, tmp_path / "b") + ["rollout.speculative.gate=false"]),
+          progress=False)
+    assert _learning_metrics(tmp_path / "a") == _learning_metrics(tmp_path / "b")
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_exact(base_model, tmp_path):
+    from rhymerl.training.rl import train
+
+    train(load_config(None, _overrides(base_model, tmp_path / "ref")), progress=False)
+    run = tmp_path / "killed"
+    args = [sys.executable, "-m", "rhymerl.cli", "train", *_overrides(base_model, run)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        ck = latest_checkpoint(run)
+        if ck is not None and ck.name >= "step_000002":
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert latest_checkpoint(run).name < "step_000004"
+    subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run)], check=True,
+                   stdout=subprocess.DEVNULL, env=env)
+    assert _learning_metrics(run) == _learning_metrics(tmp_path / "ref")
+
+
+def test_half_written_checkpoint_is_never_picked(tmp_path):
+    (tmp_path / "checkpoints" / "step_000003").mkdir(parents=True)  # no COMPLETE marker
+    (tmp_path / "checkpoints" / "step_000004.tmp").mkdir()
+    (tmp_path / "checkpoints" / "step_000002").mkdir()
+    (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").write_text("ok")
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+
+
+def test_checkpoint_of_another_model_is_refused(base_model, tmp_path):
+    from rhymerl.training.rl import train
+
+    train(load_config(None, _overrides(base_model, tmp_path / "run") + ["trainer.steps=1"]), progress=False)
+    cfg_path = tmp_path / "run" / "config.yaml"
+    ck = latest_checkpoint(tmp_path / "run")
+    c = json.loads((ck / "policy" / "config.json").read_text())
+    c["num_hidden_layers"] = 1
+    (ck / "policy" / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="another model|do not fit"):
+        train(resume=str(tmp_path / "run"), progress=False)
+    assert cfg_path.exists()
+
+
+def test_nonfinite_update_is_skipped_then_aborts(base_model):
+    from rhymerl.config import load_config as lc
+    from rhymerl.model import load_pretrained
+    from rhymerl.training.trainer import Experience, PolicyTrainer
+
+    cfg = lc(None, TINY + ["trainer.max_bad_steps=1"])
+    model = load_pretrained(base_model)
+    tr = PolicyTrainer(model, cfg.trainer, cfg.algorithm, torch.device("cpu"))
+    exp = Experience.build([[3, 4, 5]] * 2, [[6, 7], [8]], [float("nan"), 1.0], pad_id=0)
+    tr.compute_logps(exp)
+    before = [p.clone() for p in model.parameters()]
+    m = tr.update(exp, step=1, seed=0)
+    assert m["actor/skipped_updates"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(FloatingPointError, match="max_bad_steps"):
+        tr.update(exp, step=2, seed=0)
