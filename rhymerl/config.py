@@ -38,7 +38,7 @@ class DataSection:
     task: str = "arith"  # built-in task, used when train_files is empty
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    num_train: int = 2000
+    num_train: int = 256  # revisited every 8 steps: RL is multi-epoch, and history needs epochs
     num_val: int = 200
     reward_file: str | None = None  # a Python file with compute_score(...)
     reward_fn_name: str = "compute_score"
@@ -46,14 +46,14 @@ class DataSection:
 
 @dataclass
 class SFTSection:
-    steps: int = 800
+    steps: int = 1400
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.01
     num_examples: int = 20000
     eval_prompts: int = 200
-    max_minutes: float = 4.5  # stop early (and say so) rather than overrun the time budget
+    max_minutes: float = 4.0  # stop early (and say so) rather than overrun the time budget
     output_dir: str = "checkpoints/sft-{task}-seed{seed}"
 
 
@@ -75,7 +75,7 @@ class SpeculativeSection:
 @dataclass
 class RolloutSection:
     n: int = 8
-    temperature: float = 1.0
+    temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 160
@@ -105,9 +105,9 @@ class AlgorithmSection:
 
 @dataclass
 class TrainerSection:
-    steps: int = 40
+    steps: int = 100
     batch_prompts: int = 32
-    lr: float = 1e-4
+    lr: float = 3e-4
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
     weight_decay: float = 0.0
@@ -115,8 +115,8 @@ class TrainerSection:
     ppo_epochs: int = 1
     ppo_mini_batches: int = 1
     micro_batch_size: int = 64
-    save_every: int = 10
-    eval_every: int = 10
+    save_every: int = 20
+    eval_every: int = 20
     max_bad_steps: int = 3
     output_dir: str = "runs/{task}-seed{seed}"
 

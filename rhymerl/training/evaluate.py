@@ -22,13 +22,15 @@ class EvalResult:
 
 
 def evaluate(llm: LLM, rows: list[PromptRow], rewards: RewardRegistry, *, max_tokens: int,
-             temperature: float = 0.0, seed: int = 0) -> EvalResult:
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+             temperature: float = 0.0, n: int = 1, seed: int = 0) -> EvalResult:
+    """Mean reward over ``rows`` (greedy by default; with ``temperature > 0``, the mean over
+    ``n`` seeded samples per prompt, i.e. avg@n)."""
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
     outs = llm.generate([r.prompt for r in rows], params, use_tqdm=False)
     scores, lengths, ok = [], [], []
     for r, o in zip(rows, outs):
-        c = o.outputs[0]
-        scores.append(rewards.score(r.data_source, c.text, r.ground_truth, r.extra_info).score)
-        lengths.append(len(c.token_ids))
-        ok.append(c.finish_reason == "stop")
+        for c in o.outputs:
+            scores.append(rewards.score(r.data_source, c.text, r.ground_truth, r.extra_info).score)
+            lengths.append(len(c.token_ids))
+            ok.append(c.finish_reason == "stop")
     return EvalResult(float(np.mean(scores)), lengths, float(np.mean(ok)))

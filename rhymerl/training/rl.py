@@ -106,7 +106,7 @@ class RLRun:
                        speculative=speculative, seed=cfg.seed)
         self.metrics = MetricsLogger(run_dir)
         self.step = 0
-        self.initial_accuracy: float | None = None
+        self.initial_accuracy: dict[str, float] | None = None
 
     # --- resume ----------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -262,29 +262,37 @@ class RLRun:
         metrics.update({f"reward_extra/{k}": float(np.mean(v)) for k, v in extras.items()})
         return metrics
 
-    def evaluate(self) -> float:
-        ev = evaluate(self.llm, self.val_rows, self.rewards, max_tokens=self.cfg.rollout.max_tokens)
-        return ev.accuracy
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy: greedy, and avg@4 at the rollout temperature (what RL optimises)."""
+        r = self.cfg.rollout
+        greedy = evaluate(self.llm, self.val_rows, self.rewards, max_tokens=r.max_tokens)
+        out = {"val/accuracy": greedy.accuracy}
+        if r.temperature > 0:
+            sampled = evaluate(self.llm, self.val_rows, self.rewards, max_tokens=r.max_tokens,
+                               temperature=r.temperature, n=4, seed=self.cfg.seed + 7)
+            out["val/accuracy_sampled"] = sampled.accuracy
+        return out
 
     # --- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        if self.initial_accuracy is None:
-            self.initial_accuracy = self.evaluate() if self.val_rows else None
-            if self.initial_accuracy is not None:
-                self.metrics.log(0, {"val/accuracy": self.initial_accuracy})
+        if self.initial_accuracy is None and self.val_rows:
+            self.initial_accuracy = self.evaluate()
+            self.metrics.log(0, self.initial_accuracy)
+        last_val = float("nan")
         bar = tqdm(range(self.step + 1, cfg.trainer.steps + 1), desc="rl", disable=not self.progress,
                    initial=self.step, total=cfg.trainer.steps)
         for step in bar:
             m = self.train_step(step)
             if self.val_rows and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
-                m["val/accuracy"] = self.evaluate()
+                m.update(self.evaluate())
+                last_val = m["val/accuracy"]
             self.metrics.log(step, m)
             self.step = step
             bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", gen=f"{m['timing_s/gen']:.1f}s",
                             acc_fwd=f"{m['spec/accepted_per_forward']:.2f}",
-                            val=f"{m.get('val/accuracy', float('nan')):.2f}")
+                            val=f"{last_val:.2f}")
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.trainer.optimizer,
                                 self.trainer.scheduler,
@@ -300,9 +308,9 @@ class RLRun:
         return summary
 
 
-def summarize(run_dir: Path, initial_accuracy: float | None, wall_s: float) -> dict[str, Any]:
+def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float) -> dict[str, Any]:
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
-    vals = [r["val/accuracy"] for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r]
+    vals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r]
     if not rows:
         return {}
 
@@ -312,8 +320,10 @@ def summarize(run_dir: Path, initial_accuracy: float | None, wall_s: float) -> d
     steps_s = total("timing_s/step")
     return {
         "steps": len(rows),
-        "accuracy_before": initial_accuracy,
-        "accuracy_after": vals[-1] if vals else None,
+        "accuracy_before": (initial or {}).get("val/accuracy"),
+        "accuracy_after": vals[-1]["val/accuracy"] if vals else None,
+        "sampled_accuracy_before": (initial or {}).get("val/accuracy_sampled"),
+        "sampled_accuracy_after": vals[-1].get("val/accuracy_sampled") if vals else None,
         "wall_s": wall_s,
         "time_split": {k.split("/")[1]: round(total(k) / steps_s, 3) for k in
                        ("timing_s/gen", "timing_s/reward", "timing_s/old_logp", "timing_s/update", "timing_s/sync")},
@@ -330,6 +340,10 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
     print(f"\nrun: {run_dir}  ({s['steps']} steps, {s['wall_s']:.0f}s)")
     if b is not None and a is not None:
         print(f"held-out greedy accuracy: {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f} points)")
+    sb, sa = s.get("sampled_accuracy_before"), s.get("sampled_accuracy_after")
+    if sb is not None and sa is not None:
+        print(f"held-out sampled accuracy (avg@4 at the rollout temperature): {100 * sb:.1f}% -> {100 * sa:.1f}% "
+              f"({100 * (sa - sb):+.1f} points)")
     print("time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["time_split"].items()))
     print(f"speculation: {s['spec_accepted_per_forward']:.2f} tokens per sequence per forward "
           f"(= {1 / max(s['spec_forwards_per_token'], 1e-9):.2f}x fewer target forwards per token); "

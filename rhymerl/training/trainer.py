@@ -125,7 +125,7 @@ class PolicyTrainer:
                         kl = aggregate(kl_penalty(logp, ref, algo.kl_type), mask, algo.loss_agg_mode,
                                        norm_tokens=norm_tokens, norm_seqs=norm_seqs)
                         loss = loss + algo.kl_coef * kl
-                        acc("actor/kl_loss", float(kl) * norm_tokens / max(1.0, float(mask.sum())))
+                        acc("actor/kl_loss", float(kl.detach()) * norm_tokens / max(1.0, float(mask.sum())))
                     if not torch.isfinite(loss):
                         finite = False
                         break
