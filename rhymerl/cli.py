@@ -64,7 +64,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     elif ns.which == "spec":
         from rhymerl.bench.spec import run
 
-        run(ns.json, quick=ns.quick)
+        kw = {"max_num_seqs": ns.max_num_seqs} if ns.max_num_seqs else {}
+        if ns.prompts:
+            kw["prompts"] = ns.prompts
+        run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
 
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("which", choices=["engine", "spec", "e2e"])
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
+    b.add_argument("--prompts", type=int, help="spec: how many prompts (default 64)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")
     e.add_argument("run_dir")

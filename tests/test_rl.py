@@ -137,3 +137,24 @@ def test_nonfinite_update_is_skipped_then_aborts(base_model):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(FloatingPointError, match="max_bad_steps"):
         tr.update(exp, step=2, seed=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logps_are_the_rollout_distribution(temperature):
+    """Old log-probs recomputed by the trainer equal the engine's log-probs of the sampled
+    tokens under the rollout's sampling distribution (temperature included)."""
+    from rhymerl import LLM, SamplingParams
+    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from tests.conftest import tiny_model
+
+    cfg = load_config(None, [f"rollout.temperature={temperature}"])
+    model = tiny_model()
+    out = LLM(model, max_num_seqs=8, max_model_len=64).generate(
+        [[3, 4, 5]], SamplingParams(n=3, temperature=temperature, max_tokens=10, seed=1, logprobs=True,
+                                    ignore_eos=True), use_tqdm=False)[0]
+    tr = PolicyTrainer(model, cfg.trainer, cfg.algorithm, torch.device("cpu"), temperature=temperature)
+    exp = Experience.build([[3, 4, 5]] * 3, [c.token_ids for c in out.outputs], [0.0] * 3, pad_id=0)
+    tr.compute_logps(exp)
+    for i, c in enumerate(out.outputs):
+        got = exp.old_logp[i][exp.response_mask[i].bool()]
+        assert torch.allclose(got, torch.tensor(c.logprobs), atol=1e-5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rhymerl.drafting.gate import AcceptanceEstimate, best_width
+from rhymerl.drafting.gate import AcceptanceEstimate, StepOverhead, best_width
 from rhymerl.drafting.history import HistoryStore
 from rhymerl.drafting.length_policy import POLICIES
 from rhymerl.drafting.suffix_index import Occurrence, SuffixIndex
@@ -63,9 +63,10 @@ class HistoryDrafter:
         self.max_nodes = max(self.cfg.tree_budget, self.cap)
         self.cost_model: CostModel | None = None
         self.acceptance = AcceptanceEstimate()
+        self.overhead = StepOverhead()
         self.step = 0
         self._indices: dict[str, tuple[tuple, SuffixIndex]] = {}
-        self._live: dict[int, _Live] = {}
+        self._live: dict[object, _Live] = {}
         self._pending: dict[int, list[Sequence]] = {}
         self._last_depth: dict[int, int] = {}
 
@@ -97,7 +98,8 @@ class HistoryDrafter:
         if cfg.siblings:
             self._update_live(seqs)
         alpha = self.acceptance.alpha
-        if cfg.gate and best_width(self.cost_model, caps, alpha, self.cap) == 0:
+        over = self.overhead.factor
+        if cfg.gate and best_width(self.cost_model, caps, alpha, self.cap, over) == 0:
             return [None] * len(seqs)  # even full drafts would not pay at this batch size
         drafts: list[DraftTree | None] = []
         lengths: list[int] = []
@@ -105,13 +107,18 @@ class HistoryDrafter:
             d = self._draft(s, cap) if cap > 0 else None
             drafts.append(d)
             lengths.append(len(d) if d is not None else 0)
-        k = best_width(self.cost_model, lengths, alpha, self.max_nodes) if cfg.gate else self.max_nodes
+        k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
         if k == 0:
             return [None] * len(seqs)
         out = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
         if cfg.tree_budget > 0:
             self._last_depth = {id(s): d.depth for s, d in zip(seqs, out) if d is not None}
         return out
+
+    def observe_time(self, B: int, width: int, seconds: float) -> None:
+        """The engine's measured time of one decode step (drafting included)."""
+        if self.cost_model is not None:
+            self.overhead.update(self.cost_model, B, width, seconds)
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         # A tree is "fully accepted" when the walk reached its deepest level.
@@ -121,12 +128,20 @@ class HistoryDrafter:
             if d:
                 s.draft_len = self.policy(s.draft_len, d, a, cap=self.cap)
 
+    def _live_key(self, s: Sequence) -> object:
+        """Sequences that share a live index: all samples of a request (siblings)."""
+        return s.request_id
+
+    def _live_size(self, s: Sequence) -> int:
+        return s.params.n
+
     def on_finish(self, seq: Sequence) -> None:
-        live = self._live.get(seq.request_id)
+        key = self._live_key(seq)
+        live = self._live.get(key)
         if live is not None:
             live.finished += 1
-            if live.finished >= seq.params.n:
-                del self._live[seq.request_id]
+            if live.finished >= self._live_size(seq):
+                del self._live[key]
         if not self.cfg.record or seq.prompt_key is None:
             return
         group = self._pending.setdefault(seq.request_id, [])
@@ -147,7 +162,7 @@ class HistoryDrafter:
             idx = self._history_index(s.prompt_key)
             if idx is not None:
                 occ, m = idx.match(context, cfg.pattern_max, cfg.pattern_min)
-        live = self._live.get(s.request_id) if cfg.siblings else None
+        live = self._live.get(self._live_key(s)) if cfg.siblings else None
         if live is not None:
             occ2, m2 = live.index.match(context, cfg.pattern_max, cfg.pattern_min)
             if m2 > m:
@@ -174,15 +189,16 @@ class HistoryDrafter:
         for r in h.rollouts:
             for resp, rew in zip(r.responses, r.rewards):
                 w = 1.0 + self.cfg.reward_weight * (rew or 0.0)
-                idx.add(h.prompt_tail + resp, weight=w, final=True)
+                idx.add(self._stored(h.prompt_tail, resp), weight=w, final=True)
         self._indices[key] = (sig, idx)
         return idx
 
     def _update_live(self, seqs: list[Sequence]) -> None:
         for s in seqs:
-            live = self._live.get(s.request_id)
+            key = self._live_key(s)
+            live = self._live.get(key)
             if live is None:
-                live = self._live[s.request_id] = _Live(SuffixIndex())
+                live = self._live[key] = _Live(SuffixIndex())
                 live.index.add(list(s.prompt_ids), final=False)
             sid = live.sids.get(s.sample_index)
             if sid is None:
@@ -194,6 +210,51 @@ class HistoryDrafter:
                 if have < len(s.output_ids):
                     toks.extend(s.output_ids[have:])
                     live.index.extend(sid)
+
+
+    @staticmethod
+    def _stored(prompt_tail: list[int], response: list[int]) -> list[int]:
+        """A stored response as indexed: prefixed with the prompt's last tokens."""
+        return prompt_tail + response
+
+
+class SuffixDecodingDrafter(HistoryDrafter):
+    """Peer: SuffixDecoding's draft sources (arctic-inference; vLLM's ``suffix`` method),
+    re-implemented on our index for when arctic-inference is not installed.
+
+    A tree over past responses — one global tree over all prompts (``per_prompt=False``) or
+    one per prompt — stored without the prompt, plus a per-request tree over the request's
+    own prompt and output; no sibling samples. Same controller as HistoSpec.
+    """
+
+    def __init__(self, store: HistoryStore, *, per_prompt: bool, cfg: DrafterConfig | None = None) -> None:
+        cfg = cfg or DrafterConfig()
+        cfg.record = False
+        super().__init__(cfg, store)
+        self.per_prompt = per_prompt
+        self._global: tuple[int, SuffixIndex] | None = None
+
+    def _live_key(self, s: Sequence) -> object:
+        return (s.request_id, s.sample_index)
+
+    def _live_size(self, s: Sequence) -> int:
+        return 1
+
+    @staticmethod
+    def _stored(prompt_tail: list[int], response: list[int]) -> list[int]:
+        return list(response)
+
+    def _history_index(self, key: str) -> SuffixIndex | None:
+        if self.per_prompt:
+            return super()._history_index(key)
+        if self._global is None or self._global[0] != self.store.version:
+            idx = SuffixIndex()
+            for h in self.store.prompts.values():
+                for r in h.rollouts:
+                    for resp in r.responses:
+                        idx.add(list(resp), final=True)
+            self._global = (self.store.version, idx)
+        return self._global[1]
 
 
 def _truncate(d: DraftTree, k: int) -> DraftTree:

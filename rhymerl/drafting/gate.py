@@ -20,8 +20,13 @@ def expected_accepted(alpha: float, k: int) -> float:
     return alpha * (1 - alpha**k) / (1 - alpha)
 
 
-def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: int) -> int:
-    """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``."""
+def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: int,
+               overhead: float = 1.0) -> int:
+    """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``.
+
+    ``overhead`` scales the cost of a speculative step relative to a plain one beyond what
+    the forward alone costs (drafting, tree bookkeeping, verification), as measured online.
+    """
     if cost is None or not lengths:
         return max_k
     B = len(lengths)
@@ -31,7 +36,7 @@ def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: 
             continue
         width = min(k, max(lengths))
         gain = B + sum(expected_accepted(alpha, min(k, n)) for n in lengths)
-        rate = gain / cost.cost(B, width + 1)
+        rate = gain / (cost.cost(B, width + 1) * overhead)
         if rate > best_rate * 1.02:  # a margin: do not speculate for a rounding error
             best_k, best_rate = k, rate
     return best_k
@@ -60,3 +65,30 @@ class AcceptanceEstimate:
     @property
     def alpha(self) -> float:
         return self.succ / (self.succ + self.fail)
+
+
+class StepOverhead:
+    """How much a step really takes relative to the cost model's forward, for plain and for
+    speculative steps (EMA of measured / predicted). Their ratio is the extra cost of
+    speculating that the forward alone does not show."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.plain = 1.0
+        self.spec = 1.0
+        self.seen_plain = self.seen_spec = False
+
+    def update(self, cost: CostModel, B: int, width: int, seconds: float) -> None:
+        ratio = seconds / cost.cost(B, width)
+        if width <= 1:
+            self.plain = ratio if not self.seen_plain else self.decay * self.plain + (1 - self.decay) * ratio
+            self.seen_plain = True
+        else:
+            self.spec = ratio if not self.seen_spec else self.decay * self.spec + (1 - self.decay) * ratio
+            self.seen_spec = True
+
+    @property
+    def factor(self) -> float:
+        if not (self.seen_plain and self.seen_spec):
+            return 1.0
+        return max(1.0, self.spec / self.plain)

@@ -100,10 +100,12 @@ class LLMEngine:
         running = self.scheduler.running
         if running:
             drafts = None
+            td = time.perf_counter()
             if self.proposer is not None:
-                td = time.perf_counter()
                 drafts = self.proposer.propose(running)
                 self.stats.draft_s += time.perf_counter() - td
+            B = len(running)
+            width = 1 + max((len(d) for d in drafts if d is not None), default=0) if drafts else 1
             res = self.runner.decode(running, drafts)
             self.stats.forwards += 1
             self.stats.batch_sizes.append(len(running))
@@ -121,6 +123,8 @@ class LLMEngine:
                 self.stats.accepted += max(0, len(s.output_ids) - before - 1)
             if self.proposer is not None:
                 self.proposer.observe(running, res.drafted, res.accepted)
+                if hasattr(self.proposer, "observe_time"):  # drafting + forward + verification, measured
+                    self.proposer.observe_time(B, width, time.perf_counter() - td)
             self._retire(finished)
         self.stats.step_s += time.perf_counter() - t0
         done = []

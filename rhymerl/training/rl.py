@@ -89,7 +89,8 @@ class RLRun:
                 self.rewards.register(src, fn)
         steps_per_update = cfg.trainer.ppo_epochs * cfg.trainer.ppo_mini_batches
         self.trainer = PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref,
-                                     total_optimizer_steps=cfg.trainer.steps * steps_per_update)
+                                     total_optimizer_steps=cfg.trainer.steps * steps_per_update,
+                                     temperature=cfg.rollout.temperature)
         spec = cfg.rollout.speculative
         speculative = None
         if spec.method != "none":
@@ -258,6 +259,8 @@ class RLRun:
             "spec/acceptance_rate": acc / drafted if drafted else 0.0,
             "spec/draft_ms": 1000 * (st.draft_s - s0[4]),
             "spec/decode_forwards": st.forwards - s0[0],
+            "spec/decode_rows": rows_f,
+            "spec/decode_tokens": rows_f + acc,
         })
         metrics.update({f"reward_extra/{k}": float(np.mean(v)) for k, v in extras.items()})
         return metrics
@@ -327,8 +330,9 @@ def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float) ->
         "wall_s": wall_s,
         "time_split": {k.split("/")[1]: round(total(k) / steps_s, 3) for k in
                        ("timing_s/gen", "timing_s/reward", "timing_s/old_logp", "timing_s/update", "timing_s/sync")},
-        "spec_accepted_per_forward": float(np.mean([r["spec/accepted_per_forward"] for r in rows])),
-        "spec_forwards_per_token": float(np.mean([r["spec/forwards_per_token"] for r in rows])),
+        # from summed counts, so both figures describe the same thing
+        "spec_accepted_per_forward": total("spec/decode_tokens") / max(1.0, total("spec/decode_rows")),
+        "spec_forwards_per_token": total("spec/decode_rows") / max(1.0, total("spec/decode_tokens")),
         "final_score": rows[-1]["critic/score/mean"],
     }
 

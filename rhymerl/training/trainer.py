@@ -49,8 +49,12 @@ def lr_lambda(trainer: TrainerSection, total_steps: int):
 
 class PolicyTrainer:
     def __init__(self, model: CausalLM, trainer: TrainerSection, algo: AlgorithmSection, device: torch.device,
-                 ref_model: CausalLM | None = None, total_optimizer_steps: int = 1) -> None:
+                 ref_model: CausalLM | None = None, total_optimizer_steps: int = 1,
+                 temperature: float = 1.0) -> None:
         self.model, self.cfg, self.algo, self.device, self.ref = model, trainer, algo, device, ref_model
+        # Log-probs are those of the distribution the rollout sampled from (logits / T), as in
+        # verl; otherwise the gradient is taken for a different policy than the one sampled.
+        self.temperature = temperature if temperature > 0 else 1.0
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -58,7 +62,7 @@ class PolicyTrainer:
         self.bad_steps = 0
 
     def _token_logp(self, model: CausalLM, ids: torch.Tensor, with_entropy: bool = False):
-        logits = model(ids)[:, :-1].float()
+        logits = model(ids)[:, :-1].float() / self.temperature
         logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
 
