@@ -94,6 +94,18 @@ def test_gate_speculates_less_when_compute_bound():
     assert low < 0.2 and est.alpha == pytest.approx(0.6, abs=0.05)
 
 
+def test_step_overhead_compares_like_batches():
+    from rhymerl.drafting.gate import StepOverhead
+
+    cost = CostModel({(b, t): 0.001 * b * t for b in (1, 4, 64) for t in (1, 2, 3, 5)})
+    ov = StepOverhead(decay=0.0)
+    ov.update(cost, 64, 1, 0.064 * 1.0)  # plain steps at batch 64 run as predicted
+    ov.update(cost, 4, 5, 0.020 * 3.0)  # speculative steps at batch 4 run 3x slower than the forward
+    assert ov.factor(64) == 1.0 and ov.factor(4) == 1.0  # no like-for-like evidence yet
+    ov.update(cost, 4, 1, 0.004 * 1.5)  # plain steps at batch 4 carry 1.5x fixed overhead
+    assert ov.factor(4) == pytest.approx(2.0)
+
+
 def test_history_store_caps_and_persistence(tmp_path, caplog):
     st = HistoryStore(max_rollouts=2, max_total_tokens=40, tokenizer_fingerprint="abc")
     st.add("p1", [9, 9, 9, 9, 9, 9, 1], [[1, 2, 3], [1, 2]], step=0, rewards=[1.0, 0.0])

@@ -79,9 +79,10 @@ def test_speculation_does_not_change_learning(base_model, tmp_path):
 def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     from rhymerl.training.rl import train
 
-    train(load_config(None, _overrides(base_model, tmp_path / "ref")), progress=False)
+    six = ["trainer.steps=6"]  # long enough that the kill lands mid-run, after step 2's checkpoint
+    train(load_config(None, _overrides(base_model, tmp_path / "ref") + six), progress=False)
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "rhymerl.cli", "train", *_overrides(base_model, run)]
+    args = [sys.executable, "-m", "rhymerl.cli", "train", *_overrides(base_model, run), *six]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 240
@@ -93,7 +94,7 @@ def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     assert proc.poll() is None, "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert latest_checkpoint(run).name < "step_000004"
+    assert latest_checkpoint(run).name < "step_000006"
     subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run)], check=True,
                    stdout=subprocess.DEVNULL, env=env)
     assert _learning_metrics(run) == _learning_metrics(tmp_path / "ref")

@@ -98,7 +98,7 @@ class HistoryDrafter:
         if cfg.siblings:
             self._update_live(seqs)
         alpha = self.acceptance.alpha
-        over = self.overhead.factor
+        over = self.overhead.factor(len(seqs))
         if cfg.gate and best_width(self.cost_model, caps, alpha, self.cap, over) == 0:
             return [None] * len(seqs)  # even full drafts would not pay at this batch size
         drafts: list[DraftTree | None] = []

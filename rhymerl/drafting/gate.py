@@ -69,26 +69,23 @@ class AcceptanceEstimate:
 
 class StepOverhead:
     """How much a step really takes relative to the cost model's forward, for plain and for
-    speculative steps (EMA of measured / predicted). Their ratio is the extra cost of
-    speculating that the forward alone does not show."""
+    speculative steps (EMA of measured / predicted), per batch-size bucket (powers of two):
+    fixed per-step costs weigh more at small batches, so steps are compared like with like.
+    The spec/plain ratio is the extra cost of speculating that the forward alone misses."""
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self.plain = 1.0
-        self.spec = 1.0
-        self.seen_plain = self.seen_spec = False
+        self.plain: dict[int, float] = {}
+        self.spec: dict[int, float] = {}
 
     def update(self, cost: CostModel, B: int, width: int, seconds: float) -> None:
         ratio = seconds / cost.cost(B, width)
-        if width <= 1:
-            self.plain = ratio if not self.seen_plain else self.decay * self.plain + (1 - self.decay) * ratio
-            self.seen_plain = True
-        else:
-            self.spec = ratio if not self.seen_spec else self.decay * self.spec + (1 - self.decay) * ratio
-            self.seen_spec = True
+        table = self.plain if width <= 1 else self.spec
+        b = B.bit_length()
+        table[b] = ratio if b not in table else self.decay * table[b] + (1 - self.decay) * ratio
 
-    @property
-    def factor(self) -> float:
-        if not (self.seen_plain and self.seen_spec):
+    def factor(self, B: int) -> float:
+        b = B.bit_length()
+        if b not in self.plain or b not in self.spec:
             return 1.0
-        return max(1.0, self.spec / self.plain)
+        return max(1.0, self.spec[b] / self.plain[b])
