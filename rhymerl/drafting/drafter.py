@@ -10,6 +10,7 @@ a best-first tree, under the request's adaptive draft length and the batch gate.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from rhymerl.drafting.gate import AcceptanceEstimate, StepOverhead, best_width
@@ -69,6 +70,7 @@ class HistoryDrafter:
         self._live: dict[object, _Live] = {}
         self._pending: dict[int, list[Sequence]] = {}
         self._last_depth: dict[int, int] = {}
+        self._build_s = 0.0
 
     # --- engine hooks -----------------------------------------------------------------
     @property
@@ -84,6 +86,7 @@ class HistoryDrafter:
         The history just changed, so the acceptance estimate is pulled halfway back to its prior.
         """
         self.step = step
+        self.overhead = StepOverhead()  # fresh measurements per rollout step
         a = self.acceptance
         a.succ = 0.5 * (a.succ + a.prior * a.prior_weight)
         a.fail = 0.5 * (a.fail + (1 - a.prior) * a.prior_weight)
@@ -116,7 +119,9 @@ class HistoryDrafter:
         return out
 
     def observe_time(self, B: int, width: int, seconds: float) -> None:
-        """The engine's measured time of one decode step (drafting included)."""
+        """The engine's measured time of one decode step (drafting included), less the
+        one-off cost of building indices this step (amortised over the whole rollout)."""
+        seconds, self._build_s = max(1e-9, seconds - self._build_s), 0.0
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)
 
@@ -185,12 +190,14 @@ class HistoryDrafter:
         cached = self._indices.get(key)
         if cached is not None and cached[0] == sig:
             return cached[1]
+        t0 = time.perf_counter()
         idx = SuffixIndex()
         for r in h.rollouts:
             for resp, rew in zip(r.responses, r.rewards):
                 w = 1.0 + self.cfg.reward_weight * (rew or 0.0)
                 idx.add(self._stored(h.prompt_tail, resp), weight=w, final=True)
         self._indices[key] = (sig, idx)
+        self._build_s += time.perf_counter() - t0
         return idx
 
     def _update_live(self, seqs: list[Sequence]) -> None:
