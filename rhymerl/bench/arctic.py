@@ -19,7 +19,7 @@ class ArcticSuffixDrafter(HistoryDrafter):
         self._cls = SuffixDecodingCache
         self.per_prompt = per_prompt
         self.caches: dict[str, object] = {}
-        self._active: set[int] = set()
+        self._sent: dict[int, int] = {}  # id(sequence) -> output tokens already sent to the cache
         uid = 0
         for key, h in store.prompts.items():
             cache = self._cache(key)
@@ -40,22 +40,18 @@ class ArcticSuffixDrafter(HistoryDrafter):
     def _draft(self, s: Sequence, cap: int) -> DraftTree | None:
         cache = self._cache(s.prompt_key or "")
         rid = f"live-{s.request_id}-{s.sample_index}"
-        if id(s) not in self._active:
-            self._active.add(id(s))
+        sent = self._sent.get(id(s))
+        if sent is None:
             cache.start_request(rid, list(s.prompt_ids))
             cache.add_active_response(rid, list(s.output_ids))
-            s._arctic_sent = len(s.output_ids)  # type: ignore[attr-defined]
-        else:
-            new = s.output_ids[s._arctic_sent:]  # type: ignore[attr-defined]
-            if new:
-                cache.add_active_response(rid, new)
-                s._arctic_sent = len(s.output_ids)  # type: ignore[attr-defined]
+        elif len(s.output_ids) > sent:
+            cache.add_active_response(rid, s.output_ids[sent:])
+        self._sent[id(s)] = len(s.output_ids)
         ctx = (s.prompt_ids + s.output_ids)[-64:]
         d = cache.speculate(rid, ctx, max_spec_tokens=int(cap), max_spec_factor=1.0, min_token_prob=self.cfg.min_prob)
         toks = list(d.token_ids)[:cap]
         return DraftTree.path(toks) if toks else None
 
     def on_finish(self, seq: Sequence) -> None:
-        if id(seq) in self._active:
-            self._active.discard(id(seq))
+        if self._sent.pop(id(seq), None) is not None:
             self._cache(seq.prompt_key or "").stop_request(f"live-{seq.request_id}-{seq.sample_index}")
