@@ -71,6 +71,7 @@ class HistoryDrafter:
         self._pending: dict[int, list[Sequence]] = {}
         self._last_depth: dict[int, int] = {}
         self._build_s = 0.0
+        self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
 
     # --- engine hooks -----------------------------------------------------------------
     @property
@@ -102,14 +103,19 @@ class HistoryDrafter:
             self._update_live(seqs)
         alpha = self.acceptance.alpha
         over = self.overhead.factor(len(seqs))
-        if cfg.gate and best_width(self.cost_model, caps, alpha, self.cap, over) == 0:
-            return [None] * len(seqs)  # even full drafts would not pay at this batch size
+        # Before drafting anything: would drafts as full as they have recently been pay at
+        # this batch size? If not, skip the drafting work altogether.
+        expect = [round(c * self._fill) for c in caps]
+        if cfg.gate and best_width(self.cost_model, expect, alpha, self.cap, over) == 0:
+            return [None] * len(seqs)
         drafts: list[DraftTree | None] = []
         lengths: list[int] = []
         for s, cap in zip(seqs, caps):
             d = self._draft(s, cap) if cap > 0 else None
             drafts.append(d)
             lengths.append(len(d) if d is not None else 0)
+        if sum(caps):
+            self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / sum(caps))
         k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
         if k == 0:
             return [None] * len(seqs)
