@@ -213,3 +213,25 @@ def test_sampled_distribution_agrees_chi_square():
         df = keep.sum().item() - 1
         p_value = torch.special.gammaincc(torch.tensor(df / 2.0), chi2 / 2).item()
         assert p_value > 0.001, (pos, chi2.item(), p_value)
+
+
+def test_gate_recovers_after_an_epoch_without_history():
+    """A first epoch without history must not switch drafting off for the epochs after it."""
+    from rhymerl.drafting import HistoryDrafter, DrafterConfig
+    from rhymerl.engine.sequence import Sequence
+
+    table = {(b, t): 0.001 * (1 + 0.05 * (t - 1)) for b in (1, 8) for t in (1, 2, 3, 5, 9, 17)}
+    d = HistoryDrafter(DrafterConfig(siblings=False))
+    d.attach_cost_model(CostModel(table))
+    seqs = []
+    for i in range(8):
+        s = Sequence(i, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key=f"k{i}")
+        s.output_ids, s.limit = [1, 2, 3], 50
+        seqs.append(s)
+    for _ in range(50):  # epoch 1: nothing to draft from
+        assert d.propose(seqs) == [None] * 8
+    d.begin(2)
+    for i in range(8):
+        d.store.add(f"k{i}", [5, 6, 7], [[1, 2, 3, 4, 5, 6, 7, 8]], step=1)
+    drafts = d.propose(seqs)
+    assert all(x is not None and x.tokens[:2] == (4, 5) for x in drafts)

@@ -88,6 +88,7 @@ class HistoryDrafter:
         """
         self.step = step
         self.overhead = StepOverhead()  # fresh measurements per rollout step
+        self._fill = max(self._fill, 0.5)  # new history: expect drafts again
         a = self.acceptance
         a.succ = 0.5 * (a.succ + a.prior * a.prior_weight)
         a.fail = 0.5 * (a.fail + (1 - a.prior) * a.prior_weight)
@@ -107,6 +108,8 @@ class HistoryDrafter:
         # this batch size? If not, skip the drafting work altogether.
         expect = [round(c * self._fill) for c in caps]
         if cfg.gate and best_width(self.cost_model, expect, alpha, self.cap, over) == 0:
+            # drift back toward full drafts, so that skipping does not become permanent
+            self._fill = 0.95 * self._fill + 0.05
             return [None] * len(seqs)
         drafts: list[DraftTree | None] = []
         lengths: list[int] = []

@@ -104,6 +104,13 @@ class HistoryStore:
         h = self.prompts.get(key)
         return [n for r in h.rollouts for n in r.lengths] if h else []
 
+    def replace_with(self, other: "HistoryStore") -> None:
+        """Take ``other``'s contents in place (drafters holding this store see them)."""
+        self.max_rollouts, self.prompt_tail = other.max_rollouts, other.prompt_tail
+        self.tokenizer_fingerprint = other.tokenizer_fingerprint or self.tokenizer_fingerprint
+        self.prompts, self._order, self.total_tokens = other.prompts, other._order, other.total_tokens
+        self.version += 1
+
     # --- persistence -------------------------------------------------------------------
     def _payload(self) -> dict:
         return {

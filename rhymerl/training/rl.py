@@ -125,7 +125,7 @@ class RLRun:
 
             loaded = HistoryStore.load(ckpt / "history.json.gz",
                                        tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
-            self.history.__dict__.update(loaded.__dict__)
+            self.history.replace_with(loaded)
         self.llm.update_weights(dict(self.model.named_parameters()))
         self.metrics.truncate_after(self.step)
         print(f"resumed {self.run_dir} from {ckpt.name}")
