@@ -112,7 +112,7 @@ def run(json_path: str | None = None, models: list[str] | None = None, batches: 
     curve = forward_cost_curve(tiny, [1, 16, 64], [1, 4, 8, 16, 32])
     print("\ncost of one forward scoring k tokens per request (tiny model, 200 cached tokens):")
     print_table(curve, ["batch", "k", "ms", "rel_to_k1"])
-    report = write_report(rows, json_path)
+    report = write_report(rows, None)
     report["forward_cost"] = curve
     if json_path:
         import json

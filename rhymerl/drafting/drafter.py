@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from rhymerl.drafting.gate import AcceptanceEstimate, StepOverhead, best_width
 from rhymerl.drafting.history import HistoryStore
 from rhymerl.drafting.length_policy import POLICIES
-from rhymerl.drafting.suffix_index import Occurrence, SuffixIndex
+from rhymerl.drafting.suffix_index import SuffixIndex
 from rhymerl.drafting.tree_builder import draft_path, draft_tree
 from rhymerl.engine.cost_model import CostModel
 from rhymerl.engine.draft import DraftTree
@@ -44,13 +44,6 @@ class _Live:
     index: SuffixIndex
     sids: dict[int, int] = field(default_factory=dict)  # sample index -> sequence id in index
     finished: int = 0
-
-
-class Source:
-    """Where drafts come from; subclasses pick occurrences for a sequence's context."""
-
-    def occurrences(self, seq: Sequence, context: list[int]) -> tuple[list[Occurrence], int]:
-        raise NotImplementedError
 
 
 class HistoryDrafter:
