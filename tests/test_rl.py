@@ -153,6 +153,7 @@ def test_trainer_logps_are_the_rollout_distribution(temperature):
     out = LLM(model, max_num_seqs=8, max_model_len=64).generate(
         [[3, 4, 5]], SamplingParams(n=3, temperature=temperature, max_tokens=10, seed=1, logprobs=True,
                                     ignore_eos=True), use_tqdm=False)[0]
+    cfg.trainer.ppo_mini_batches = 2  # more than one update per rollout: old log-probs are recomputed
     tr = PolicyTrainer(model, cfg.trainer, cfg.algorithm, torch.device("cpu"), temperature=temperature)
     exp = Experience.build([[3, 4, 5]] * 3, [c.token_ids for c in out.outputs], [0.0] * 3, pad_id=0)
     tr.compute_logps(exp)

@@ -59,6 +59,16 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     print_table(rows_out, ["variant", "step_s", "gen_s", "update_s", "gen_s_after_epoch1", "accepted_per_forward",
                            "speedup", "gen_speedup", "final_score", "same_learning_metrics"])
     _plot(results, Path(json_path).with_suffix(".png") if json_path else tmp / "e2e.png")
+    try:  # TRL side by side, when the optional `trl` extra is installed
+        import trl  # noqa: F401
+
+        from rhymerl.bench.trl_compare import compare
+
+        trl_rows = compare(base, steps=4)
+        print_table(trl_rows, ["variant", "work", "step_s", "speedup"])
+        rows_out += trl_rows
+    except ImportError:
+        print("trl not installed: no TRL rows (pip install 'trl==1.16.*' with torch pinned)")
     report = write_report(rows_out, json_path)
     shutil.rmtree(tmp, ignore_errors=True)
     return report

@@ -66,18 +66,30 @@ class PolicyTrainer:
         logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
 
+    @property
+    def single_update(self) -> bool:
+        """One optimizer step per rollout: the sampling policy is the one being updated."""
+        return self.cfg.ppo_epochs * self.cfg.ppo_mini_batches == 1
+
     @torch.no_grad()
     def compute_logps(self, exp: Experience) -> None:
-        """Old (and reference) log-probs, recomputed by the trainer as verl does."""
+        """Old (and reference) log-probs, recomputed by the trainer as verl does.
+
+        With a single update per rollout the old policy *is* the current one, so the loss
+        uses the detached current log-probs instead (the same gradient, one forward less).
+        """
         self.model.eval()
         N, W = exp.response_mask.shape
-        exp.old_logp = torch.zeros(N, W)
+        exp.old_logp = None if self.single_update else torch.zeros(N, W)
         exp.ref_logp = torch.zeros(N, W) if self.ref is not None else None
+        if exp.old_logp is None and exp.ref_logp is None:
+            return
         for micro in self._micro_batches(exp, torch.arange(N)):
             width = self._width(exp, micro)
             ids = exp.input_ids[micro, :width].to(self.device)
-            exp.old_logp[micro, : width - 1] = self._token_logp(self.model, ids)[0].cpu()
-            if self.ref is not None:
+            if exp.old_logp is not None:
+                exp.old_logp[micro, : width - 1] = self._token_logp(self.model, ids)[0].cpu()
+            if exp.ref_logp is not None:
                 exp.ref_logp[micro, : width - 1] = self._token_logp(self.ref, ids)[0].cpu()
 
     def _micro_batches(self, exp: Experience, idx: torch.Tensor) -> list[torch.Tensor]:
@@ -92,7 +104,7 @@ class PolicyTrainer:
 
     def update(self, exp: Experience, step: int, seed: int) -> dict[str, float]:
         """PPO epochs x mini-batches, each an optimizer step over accumulated micro-batches."""
-        assert exp.old_logp is not None
+        assert exp.old_logp is not None or self.single_update
         self.model.train()
         N = exp.input_ids.shape[0]
         algo, loss_fn = self.algo, POLICY_LOSSES[self.algo.policy_loss]
@@ -115,9 +127,9 @@ class PolicyTrainer:
                     width = self._width(exp, micro)  # trim padding shared by the whole micro-batch
                     ids = exp.input_ids[micro, :width].to(self.device)
                     mask = exp.response_mask[micro][:, : width - 1].to(self.device)
-                    old = exp.old_logp[micro][:, : width - 1].to(self.device)
                     adv = exp.advantages[micro].to(self.device).unsqueeze(1)
                     logp, ent = self._token_logp(self.model, ids, with_entropy=True)
+                    old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
                     pg_loss, m = loss_fn(logp, old, adv, mask, clip_low=algo.clip_ratio_low,
                                          clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
                                          agg=algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
