@@ -8,9 +8,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from rhymerl.config import ConfigError, load_config
 
@@ -29,22 +27,12 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_sft(ns: argparse.Namespace) -> int:
-    from rhymerl.training.sft import run_sft, sft_output_dir
+    from rhymerl.training.sft import print_card, run_sft, sft_output_dir
 
     cfg = load_config(*_split(ns.args))
     out = sft_output_dir(cfg)
-    card = run_sft(cfg, out)
-    _print_card(card, out)
+    print_card(run_sft(cfg, out), out)
     return 0
-
-
-def _print_card(card: dict, out: Path) -> None:
-    ls = card["response_length"]
-    print(f"base model: {out}  ({card['params'] / 1e6:.2f}M params, {card['steps']} steps, "
-          f"{card['train_seconds']:.0f}s)")
-    print(f"held-out greedy accuracy: {100 * card['heldout_greedy_accuracy']:.1f}% on "
-          f"{card['heldout_prompts']} prompts; response length min/median/max "
-          f"{ls['min']}/{ls['median']:.0f}/{ls['max']}")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ class DrafterConfig:
 @dataclass
 class _Live:
     index: SuffixIndex
-    sids: dict[int, int] = field(default_factory=dict)  # sample index -> sequence id in index
+    members: dict[int, tuple[int, Sequence]] = field(default_factory=dict)  # sample -> (id in index, seq)
     finished: int = 0
 
 
@@ -59,7 +59,7 @@ class HistoryDrafter:
         self.acceptance = AcceptanceEstimate()
         self.overhead = StepOverhead()
         self.step = 0
-        self._indices: dict[str, tuple[tuple, SuffixIndex]] = {}
+        self._indices: dict[str, tuple[int, SuffixIndex]] = {}
         self._live: dict[object, _Live] = {}
         self._pending: dict[int, list[Sequence]] = {}
         self._last_depth: dict[int, int] = {}
@@ -82,9 +82,7 @@ class HistoryDrafter:
         self.step = step
         self.overhead = StepOverhead()  # fresh measurements per rollout step
         self._fill = max(self._fill, 0.5)  # new history: expect drafts again
-        a = self.acceptance
-        a.succ = 0.5 * (a.succ + a.prior * a.prior_weight)
-        a.fail = 0.5 * (a.fail + (1 - a.prior) * a.prior_weight)
+        self.acceptance.relax(0.5)
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
         cfg = self.cfg
@@ -94,7 +92,7 @@ class HistoryDrafter:
                 s.draft_len = 2
             caps.append(max(0, min(s.draft_len, self.cap, s.limit - len(s.output_ids) - 1)))
         if cfg.siblings:
-            self._update_live(seqs)
+            self._register_live(seqs)
         alpha = self.acceptance.alpha
         over = self.overhead.factor(len(seqs))
         # Before drafting anything: would drafts as full as they have recently been pay at
@@ -171,6 +169,7 @@ class HistoryDrafter:
                 occ, m = idx.match(context, cfg.pattern_max, cfg.pattern_min)
         live = self._live.get(self._live_key(s)) if cfg.siblings else None
         if live is not None:
+            self._sync_live(live)
             occ2, m2 = live.index.match(context, cfg.pattern_max, cfg.pattern_min)
             if m2 > m:
                 occ, m = occ2, m2
@@ -188,9 +187,8 @@ class HistoryDrafter:
         h = self.store.prompts.get(key)
         if h is None or not h.rollouts:
             return None
-        sig = tuple((r.step, len(r.responses), tuple(x for x in r.rewards)) for r in h.rollouts)
         cached = self._indices.get(key)
-        if cached is not None and cached[0] == sig:
+        if cached is not None and cached[0] == h.revision:
             return cached[1]
         t0 = time.perf_counter()
         idx = SuffixIndex()
@@ -198,28 +196,31 @@ class HistoryDrafter:
             for resp, rew in zip(r.responses, r.rewards):
                 w = 1.0 + self.cfg.reward_weight * (rew or 0.0)
                 idx.add(self._stored(h.prompt_tail, resp), weight=w, final=True)
-        self._indices[key] = (sig, idx)
+        self._indices[key] = (h.revision, idx)
         self._build_s += time.perf_counter() - t0
         return idx
 
-    def _update_live(self, seqs: list[Sequence]) -> None:
+    def _register_live(self, seqs: list[Sequence]) -> None:
+        """Give new sequences a place in their live index (their tokens are indexed lazily,
+        when a draft is actually made, so steps the gate skips cost no indexing)."""
         for s in seqs:
             key = self._live_key(s)
             live = self._live.get(key)
             if live is None:
                 live = self._live[key] = _Live(SuffixIndex())
                 live.index.add(list(s.prompt_ids), final=False)
-            sid = live.sids.get(s.sample_index)
-            if sid is None:
+            if s.sample_index not in live.members:
                 tail = s.prompt_ids[-self.cfg.pattern_max:]
-                live.sids[s.sample_index] = live.index.add(tail + list(s.output_ids), final=False)
-            else:
-                toks = live.index.seqs[sid]
-                have = len(toks) - min(len(s.prompt_ids), self.cfg.pattern_max)
-                if have < len(s.output_ids):
-                    toks.extend(s.output_ids[have:])
-                    live.index.extend(sid)
+                live.members[s.sample_index] = (live.index.add(list(tail), final=False), s)
 
+    def _sync_live(self, live: _Live) -> None:
+        """Index the tokens the live members emitted since the last sync."""
+        for sid, s in live.members.values():
+            toks = live.index.seqs[sid]
+            have = len(toks) - min(len(s.prompt_ids), self.cfg.pattern_max)
+            if have < len(s.output_ids):
+                toks.extend(s.output_ids[have:])
+                live.index.extend(sid)
 
     @staticmethod
     def _stored(prompt_tail: list[int], response: list[int]) -> list[int]:

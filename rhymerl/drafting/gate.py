@@ -56,11 +56,14 @@ class AcceptanceEstimate:
     def update(self, drafted: list[int], accepted: list[int]) -> None:
         """Decay old evidence toward the prior (so a gate that stopped drafting after a bad
         patch tries again), then add this step's trials."""
-        s = sum(a for d, a in zip(drafted, accepted) if d)
-        f = sum(1 for d, a in zip(drafted, accepted) if d and a < d)
-        keep = self.decay
-        self.succ = self.succ * keep + (1 - keep) * self.prior * self.prior_weight + s
-        self.fail = self.fail * keep + (1 - keep) * (1 - self.prior) * self.prior_weight + f
+        self.relax(1 - self.decay)
+        self.succ += sum(a for d, a in zip(drafted, accepted) if d)
+        self.fail += sum(1 for d, a in zip(drafted, accepted) if d and a < d)
+
+    def relax(self, frac: float) -> None:
+        """Move ``frac`` of the way back to the prior."""
+        self.succ += frac * (self.prior * self.prior_weight - self.succ)
+        self.fail += frac * ((1 - self.prior) * self.prior_weight - self.fail)
 
     @property
     def alpha(self) -> float:

@@ -40,6 +40,7 @@ class Rollout:
 class PromptHistory:
     prompt_tail: list[int]
     rollouts: deque[Rollout] = field(default_factory=deque)
+    revision: int = 0  # bumps whenever this prompt's rollouts or rewards change
 
 
 class HistoryStore:
@@ -63,6 +64,7 @@ class HistoryStore:
         """Record one rollout (all responses of one prompt in one step)."""
         h = self.prompts.setdefault(key, PromptHistory(list(prompt_ids[-self.prompt_tail:])))
         h.prompt_tail = list(prompt_ids[-self.prompt_tail:])
+        h.revision += 1
         r = Rollout(step, [list(x) for x in responses], list(rewards) if rewards else [None] * len(responses))
         if h.rollouts and h.rollouts[-1].step == step:  # the same step again: merge (samples split up)
             last = h.rollouts[-1]
@@ -87,10 +89,12 @@ class HistoryStore:
         for r in h.rollouts:
             if r.step == step and len(r.rewards) == len(rewards):
                 r.rewards = list(rewards)
+                h.revision += 1
                 self.version += 1
 
     def _drop(self, key: str, step: int) -> None:
         h = self.prompts[key]
+        h.revision += 1
         for r in list(h.rollouts):
             if r.step == step:
                 h.rollouts.remove(r)

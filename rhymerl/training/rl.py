@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import time
 import zlib
 from pathlib import Path
@@ -32,7 +31,7 @@ from rhymerl.training.algos import ADV_ESTIMATORS, overlong_penalty
 from rhymerl.training.checkpoint import latest_checkpoint, load_checkpoint_into, save_checkpoint
 from rhymerl.training.evaluate import evaluate
 from rhymerl.training.metrics import MetricsLogger, plot_run, read_metrics
-from rhymerl.training.sft import CARD, run_sft, sft_output_dir
+from rhymerl.training.sft import CARD, print_card, run_sft, sft_output_dir
 from rhymerl.training.trainer import Experience, PolicyTrainer
 
 log = logging.getLogger(__name__)
@@ -50,10 +49,7 @@ def ensure_base_model(cfg: RunConfig) -> Path:
               f"{100 * card['heldout_greedy_accuracy']:.1f}%)")
         return out
     print(f"base model: none at {out}; training it from scratch (rhymerl sft)")
-    from rhymerl.cli import _print_card
-
-    card = run_sft(cfg, out)
-    _print_card(card, out)
+    print_card(run_sft(cfg, out), out)
     return out
 
 

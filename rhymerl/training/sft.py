@@ -33,6 +33,15 @@ def sft_output_dir(cfg: RunConfig) -> Path:
     return Path(cfg.sft.output_dir.format(task=cfg.data.task, seed=cfg.seed))
 
 
+def print_card(card: dict, out: Path) -> None:
+    ls = card["response_length"]
+    print(f"base model: {out}  ({card['params'] / 1e6:.2f}M params, {card['steps']} steps, "
+          f"{card['train_seconds']:.0f}s)")
+    print(f"held-out greedy accuracy: {100 * card['heldout_greedy_accuracy']:.1f}% on "
+          f"{card['heldout_prompts']} prompts; response length min/median/max "
+          f"{ls['min']}/{ls['median']:.0f}/{ls['max']}")
+
+
 def lr_at(step: int, total: int, warmup: int, base: float) -> float:
     if step < warmup:
         return base * (step + 1) / warmup
