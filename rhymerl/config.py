@@ -82,6 +82,15 @@ class RolloutSection:
     max_num_seqs: int = 256
     max_model_len: int = 256
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    # HistoPipe and workers (rhymerl.scheduling, rhymerl.distribution)
+    workers: int = 1  # rollout workers, each an engine with its own weights copy
+    backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
+    schedule: str = "histopipe"  # even | least_loaded | histopipe
+    length_stat: str = "mean"  # how a prompt's previous lengths predict its next: mean | median | max | p75
+    tail_fraction: float = 0.1  # tail migration once at most this share of samples is unfinished
+    migrate: bool = True  # tail migration and work stealing (histopipe)
+    complementary: bool = True  # odd steps place long groups first, even steps last
+    worker_timeout_s: float = 300.0  # a worker silent this long is killed and its work re-run
 
 
 @dataclass
@@ -122,6 +131,11 @@ class TrainerSection:
 
 
 @dataclass
+class ClusterSection:
+    address: str | None = None  # join this Ray cluster (backend=ray); None: start a local one
+
+
+@dataclass
 class RunConfig:
     seed: int = 0
     model: ModelSection = field(default_factory=ModelSection)
@@ -130,6 +144,7 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -215,6 +230,9 @@ _CHOICES = {
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algorithm.kl_type": ("k1", "low_var_kl"),
     "trainer.lr_schedule": ("constant", "cosine"),
+    "rollout.backend": ("local", "ray"),
+    "rollout.schedule": ("even", "least_loaded", "histopipe"),
+    "rollout.length_stat": ("mean", "median", "max", "p75"),
 }
 
 
@@ -229,7 +247,7 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"data.task: unknown task {cfg.data.task!r} (built-in: {sorted(TASKS)})")
     positive = ["rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
                 "trainer.batch_prompts", "trainer.micro_batch_size", "sft.batch_size", "trainer.ppo_epochs",
-                "trainer.ppo_mini_batches"]
+                "trainer.ppo_mini_batches", "rollout.workers", "rollout.worker_timeout_s"]
     for key in positive:
         if flat[key] <= 0:
             raise ConfigError(f"{key}: must be > 0, got {flat[key]}")

@@ -22,7 +22,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
         "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         "rollout.speculative.max_draft=4"]
-SPEED_KEYS = ("timing_s/", "perf/", "spec/")
+SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,28 @@ def test_speculation_does_not_change_learning(base_model, tmp_path):
     train(load_config(None, _overrides(base_model, tmp_path / "b") + ["rollout.speculative.gate=false"]),
           progress=False)
     assert _learning_metrics(tmp_path / "a") == _learning_metrics(tmp_path / "b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_two_workers_learn_exactly_what_one_does(base_model, tmp_path, backend):
+    """Same seeds -> same tokens wherever a sample runs, so the learning metrics are equal."""
+    from rhymerl.training.rl import train
+
+    if backend == "ray":
+        pytest.importorskip("ray")
+    one = tmp_path / "one"
+    train(load_config(None, _overrides(base_model, one) + ["trainer.steps=3"]), progress=False)
+    two = tmp_path / "two"
+    train(load_config(None, _overrides(base_model, two) + ["trainer.steps=3", "rollout.workers=2",
+                                                          f"rollout.backend={backend}"]), progress=False)
+    assert _learning_metrics(two) == _learning_metrics(one)
+    rows = read_metrics(two / "metrics.jsonl")
+    assert rows[1]["pipe/workers"] == 2
+    if backend == "ray":
+        import ray
+
+        ray.shutdown()
 
 
 @pytest.mark.slow

@@ -138,7 +138,7 @@ class HistoryDrafter:
         return s.request_id
 
     def _live_size(self, s: Sequence) -> int:
-        return s.params.n
+        return s.group_size or s.params.n
 
     def on_finish(self, seq: Sequence) -> None:
         key = self._live_key(seq)
@@ -151,10 +151,18 @@ class HistoryDrafter:
             return
         group = self._pending.setdefault(seq.request_id, [])
         group.append(seq)
-        if len(group) == seq.params.n:
+        if len(group) == (seq.group_size or seq.params.n):
             del self._pending[seq.request_id]
             group.sort(key=lambda x: x.sample_index)
             self.store.add(seq.prompt_key, seq.prompt_ids, [g.output_ids for g in group], self.step)
+
+    def on_abort(self, seq: Sequence) -> None:
+        """A sample left this engine unfinished (moved to another worker): not recorded."""
+        live = self._live.get(self._live_key(seq))
+        if live is not None:
+            live.finished += 1
+            if live.finished >= self._live_size(seq):
+                del self._live[self._live_key(seq)]
 
     # --- drafting -----------------------------------------------------------------------
     def _draft(self, s: Sequence, cap: int) -> DraftTree | None:

@@ -108,6 +108,24 @@ class HistoryStore:
         h = self.prompts.get(key)
         return [n for r in h.rollouts for n in r.lengths] if h else []
 
+    def export(self, key: str) -> list[tuple[int, list[list[int]], list[float | None]]]:
+        """One prompt's stored rollouts as plain data ``(step, responses, rewards)``, oldest first:
+        what a rollout worker on another process needs to draft for it."""
+        h = self.prompts.get(key)
+        return [(r.step, r.responses, r.rewards) for r in h.rollouts] if h else []
+
+    def put(self, key: str, prompt_ids: list[int],
+            rollouts: list[tuple[int, list[list[int]], list[float | None]]]) -> None:
+        """Make ``rollouts`` (from :meth:`export`) this prompt's whole history."""
+        h = self.prompts.get(key)
+        if h is not None and [(r.step, len(r.responses), r.rewards) for r in h.rollouts] == \
+                [(s, len(x), list(w)) for s, x, w in rollouts]:
+            return  # already current: keep the drafter's cached index
+        for step in [r.step for r in h.rollouts] if h else []:
+            self._drop(key, step)
+        for step, responses, rewards in rollouts:
+            self.add(key, prompt_ids, responses, step, rewards)
+
     def replace_with(self, other: "HistoryStore") -> None:
         """Take ``other``'s contents in place (drafters holding this store see them)."""
         self.max_rollouts, self.prompt_tail = other.max_rollouts, other.prompt_tail

@@ -41,7 +41,8 @@ class LLM:
         if isinstance(model, (str, Path)):
             from rhymerl.tokenizer import load_tokenizer
 
-            tokenizer = tokenizer or load_tokenizer(model)
+            if tokenizer is None and any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+                tokenizer = load_tokenizer(model)  # a weights-only folder generates token ids
             model = load_pretrained(model, device=self.device, dtype=self.dtype)
         else:
             model = model.to(device=self.device, dtype=self.dtype)

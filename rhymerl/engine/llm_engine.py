@@ -60,7 +60,15 @@ class LLMEngine:
         self.stats = EngineStats()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seed: int,
-                    prompt_key: str | None = None) -> int:
+                    prompt_key: str | None = None, *, samples: list[int] | None = None,
+                    prefixes: dict[int, tuple[list[int], list[float]]] | None = None) -> int:
+        """Queue a request; returns its id.
+
+        ``samples`` runs only these sample indices of the ``params.n`` (default: all); the
+        others run elsewhere. ``prefixes`` maps a sample index to the tokens (and log-probs)
+        it already generated on another worker: its K/V is recomputed and it continues with
+        the same seeded draws, so its tokens are those it would have had without the move.
+        """
         rid = self._next_id
         self._next_id += 1
         out = RequestOutput(request_id=rid, prompt_token_ids=list(prompt_ids), prompt_key=prompt_key)
@@ -72,11 +80,36 @@ class LLMEngine:
             out.error = (f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                          f"max_model_len={self.max_model_len}")
             return rid
-        seqs = [Sequence(rid, i, list(prompt_ids), params, seed, prompt_key) for i in range(params.n)]
-        out.outputs = [CompletionOutput(i, [], "", None) for i in range(params.n)]
+        idx = list(range(params.n)) if samples is None else sorted(samples)
+        prefixes = prefixes or {}
+        seqs = []
+        for i in idx:
+            s = Sequence(rid, i, list(prompt_ids), params, seed, prompt_key, group_size=len(idx))
+            if prefixes.get(i) and prefixes[i][0]:
+                toks, lps = prefixes[i]
+                s.output_ids, s.logprobs, s.resumed = list(toks), list(lps), True
+            seqs.append(s)
+        out.outputs = [CompletionOutput(i, [], "", None) for i in idx]
         self._seqs[rid] = seqs
         self.scheduler.add(seqs)
         return rid
+
+    def abort(self, rid: int, sample_index: int) -> tuple[list[int], list[float]] | None:
+        """Stop one unfinished sample and return what it generated so far (None if it had finished)."""
+        seq = next((s for s in self._seqs.get(rid, []) if s.sample_index == sample_index), None)
+        if seq is None or seq.finish_reason is not None:
+            return None
+        self.scheduler.remove(seq)
+        if self.proposer is not None and hasattr(self.proposer, "on_abort"):
+            self.proposer.on_abort(seq)
+        out = self.requests[rid]
+        out.outputs = [o for o in out.outputs if o.index != sample_index]
+        self._seqs[rid] = [s for s in self._seqs[rid] if s is not seq]
+        return list(seq.output_ids), list(seq.logprobs)
+
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished sequence, waiting or running."""
+        return list(self.scheduler.running) + list(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -92,7 +125,7 @@ class LLMEngine:
         if groups:
             self.runner.prefill(groups)
             self.stats.prefills += 1
-            new = [s for g in groups for s in g]
+            new = [s for g in groups for s in g if not s.resumed]
             self.stats.generated += len(new)
             finished += [s for s in new if self._check_stop(s, 1)]
             self._retire(finished)
@@ -155,7 +188,7 @@ class LLMEngine:
         del s.output_ids[keep:]
         del s.logprobs[keep:]
         s.finish_reason = reason
-        out = self.requests[s.request_id].outputs[s.sample_index]
+        out = next(o for o in self.requests[s.request_id].outputs if o.index == s.sample_index)
         out.token_ids = list(s.output_ids)
         out.text = self.detokenize(s.output_ids) if self.detokenize else ""
         out.finish_reason = reason

@@ -61,11 +61,12 @@ class ModelRunner:
         rows are written to the first ``len(groups)`` of those slots and then fanned out.
         """
         base = groups[0][0].slot
-        lens = [len(g[0].prompt_ids) for g in groups]
+        prefixes = [g[0].prefill_ids for g in groups]
+        lens = [len(p) for p in prefixes]
         T = max(lens)
         ids = torch.zeros(len(groups), T, dtype=torch.long)
-        for i, g in enumerate(groups):
-            ids[i, : lens[i]] = torch.tensor(g[0].prompt_ids)
+        for i, p in enumerate(prefixes):
+            ids[i, : lens[i]] = torch.tensor(p)
         ids = ids.to(self.device)
         pos = torch.arange(T, device=self.device).expand(len(groups), T)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
@@ -84,6 +85,9 @@ class ModelRunner:
         batch = _sampling_batch(seqs, torch.zeros(len(seqs), 1, dtype=torch.long), self.device)
         tokens, logps = sample(logits[rows], batch)
         for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist()):
+            if s.resumed:  # its next token is already known: the prefill only rebuilt the K/V
+                s.cache_len = len(s.prefill_ids)
+                continue
             s.cache_len = len(s.prompt_ids)
             s.output_ids.append(t)
             s.logprobs.append(lp)

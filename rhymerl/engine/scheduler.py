@@ -34,9 +34,10 @@ class Scheduler:
         longest = 0
         while self.waiting and free > 0:
             s = self.waiting[0]
-            new_group = not groups or groups[-1][0].request_id != s.request_id
+            # A resumed sequence has its own prefix, so it never shares a prefill.
+            new_group = not groups or groups[-1][0].request_id != s.request_id or s.resumed or groups[-1][0].resumed
             if new_group:
-                longest2 = max(longest, len(s.prompt_ids))
+                longest2 = max(longest, len(s.prefill_ids))
                 if groups and longest2 * (len(groups) + 1) > self.max_prefill_tokens:
                     break
                 longest = longest2
@@ -47,6 +48,14 @@ class Scheduler:
             groups[-1].append(s)
             free -= 1
         return groups
+
+    def remove(self, s: Sequence) -> None:
+        """Take one sequence out, waiting or running (an abort; its slot is freed)."""
+        if s.status is Status.WAITING:
+            self.waiting.remove(s)
+            s.status = Status.FINISHED
+        elif s.status is Status.RUNNING:
+            self.retire([s])
 
     def retire(self, finished: list[Sequence]) -> None:
         """Free the slots of finished sequences, moving the last running one into each hole."""

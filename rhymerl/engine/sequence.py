@@ -39,6 +39,8 @@ class Sequence:
     draft_len: int = 0  # current adaptive draft length, owned by the drafter
     stop_ids: frozenset[int] | None = None  # resolved on first use by the engine
     limit: int = 0  # most output tokens allowed (max_tokens and max_model_len)
+    group_size: int = 0  # samples of this request in this engine (siblings + itself)
+    resumed: bool = False  # started with a generated prefix (moved here from another worker)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +49,12 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What the prefill computes K/V for: the prompt, plus a resumed prefix but its last
+        token (which, like any last token, is the next decode step's input)."""
+        return self.prompt_ids + self.output_ids[:-1] if self.resumed else self.prompt_ids
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -23,10 +23,10 @@ from rhymerl.data import PromptRow
 from rhymerl.data.loader import PromptLoader
 from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_device, resolve_dtype
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import SamplingParams
 from rhymerl.model import load_pretrained
 from rhymerl.rewards import RewardRegistry, load_reward_file
-from rhymerl.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rhymerl.tokenizer import encode_prompt, load_tokenizer, tokenizer_fingerprint
 from rhymerl.training.algos import ADV_ESTIMATORS, overlong_penalty
 from rhymerl.training.checkpoint import latest_checkpoint, load_checkpoint_into, save_checkpoint
 from rhymerl.training.evaluate import evaluate
@@ -88,19 +88,18 @@ class RLRun:
                                      total_optimizer_steps=cfg.trainer.steps * steps_per_update,
                                      temperature=cfg.rollout.temperature)
         spec = cfg.rollout.speculative
-        speculative = None
-        if spec.method != "none":
-            from rhymerl.drafting import HistoryStore, build_proposer
+        self.history = None
+        if spec.method != "none" or cfg.rollout.schedule == "histopipe":
+            from rhymerl.drafting import HistoryStore
 
-            store = HistoryStore(max_rollouts=spec.history_epochs,
-                                 tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
-            fields = {k: v for k, v in vars(spec).items() if k != "method"}
-            speculative = build_proposer({"method": spec.method, **fields}, store)
-        self.history = getattr(speculative, "store", None)
-        engine_model = copy.deepcopy(self.model).eval()
-        self.llm = LLM(engine_model, tokenizer=self.tokenizer, max_num_seqs=cfg.rollout.max_num_seqs,
-                       max_model_len=cfg.rollout.max_model_len, device=str(self.device), dtype=cfg.model.dtype,
-                       speculative=speculative, seed=cfg.seed)
+            # The controller's store: workers draft from the parts shipped with their work,
+            # HistoPipe predicts lengths from it, and it is saved with every checkpoint.
+            self.history = HistoryStore(max_rollouts=max(1, spec.history_epochs),
+                                        tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
+        from rhymerl.distribution.factory import build_coordinator
+
+        self.rollout = build_coordinator(cfg, base, dict(self.model.named_parameters()), tokenizer=self.tokenizer,
+                                         history=self.history)
         self.metrics = MetricsLogger(run_dir)
         self.step = 0
         self.initial_accuracy: dict[str, float] | None = None
@@ -122,20 +121,54 @@ class RLRun:
             loaded = HistoryStore.load(ckpt / "history.json.gz",
                                        tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
             self.history.replace_with(loaded)
-        self.llm.update_weights(dict(self.model.named_parameters()))
+        self.rollout.pool.update_weights(dict(self.model.named_parameters()))
         self.metrics.truncate_after(self.step)
+        traces = self.run_dir / "traces.jsonl"
+        if traces.exists():
+            keep = [ln for ln in traces.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            traces.write_text("".join(ln + "\n" for ln in keep))
         print(f"resumed {self.run_dir} from {ckpt.name}")
         return True
 
     # --- one step ------------------------------------------------------------------------------
-    def _rollout(self, rows: list[PromptRow], step: int) -> tuple[list, list]:
+    def _rollout(self, rows: list[PromptRow], step: int) -> tuple[list, list, list[list[float]], int, dict]:
+        """Generate for ``rows`` and score each prompt as soon as its samples are all back."""
+        from rhymerl.distribution import RolloutRequest
+
         r = self.cfg.rollout
-        params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                 max_tokens=r.max_tokens, seed=rollout_seed(self.cfg.seed, step, row.key))
-                  for row in rows]
-        outs = self.llm.generate([row.prompt for row in rows], params, prompt_keys=[row.key for row in rows],
-                                 step=step, use_tqdm=False)
-        return rows, outs
+        reqs = [RolloutRequest(encode_prompt(self.tokenizer, row.prompt),
+                               SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                              max_tokens=r.max_tokens),
+                               rollout_seed(self.cfg.seed, step, row.key), row.key) for row in rows]
+        scored: dict[int, tuple[list[float], int, dict[str, list[float]]]] = {}
+        reward_s = 0.0
+
+        def on_done(i: int, out) -> None:
+            nonlocal reward_s
+            t = time.perf_counter()
+            scored[i] = self._score([rows[i]], [out])
+            reward_s += time.perf_counter() - t
+
+        self._predicted = self._predict(rows)
+        outs = self.rollout.rollout(reqs, step, on_done=on_done)
+        self._reward_s += reward_s
+        scores = [scored[i][0][0] for i in range(len(rows))]
+        errors = sum(scored[i][1] for i in range(len(rows)))
+        extras: dict[str, list[float]] = {}
+        for i in range(len(rows)):
+            for k, v in scored[i][2].items():
+                extras.setdefault(k, []).extend(v)
+        return rows, outs, scores, errors, extras
+
+    def _predict(self, rows: list[PromptRow]) -> list[float | None]:
+        """HistoPipe's length prediction per prompt (None without history), for the trace."""
+        if self.history is None:
+            return [None] * len(rows)
+        from rhymerl.scheduling import predict_lengths
+
+        hist = [self.history.lengths(row.key) for row in rows]
+        pred = predict_lengths(hist, self.cfg.rollout.length_stat)
+        return [float(p) if h else None for p, h in zip(pred, hist)]
 
     def _score(self, rows: list[PromptRow], outs: list) -> tuple[list[list[float]], int, dict[str, list[float]]]:
         errors = 0
@@ -160,14 +193,15 @@ class RLRun:
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.cfg.algorithm
         t_step = time.perf_counter()
-        st = self.llm.engine.stats
+        st = self.rollout.stats
         s0 = (st.forwards, sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated)
+        p0 = vars(self.rollout.pipe).copy()
+        self._reward_s = 0.0
         t = time.perf_counter()
-        rows, outs = self._rollout(self.loader.next_batch(), step)
-        gen_s = time.perf_counter() - t
-        t = time.perf_counter()
-        scores, errors, extras = self._score(rows, outs)
-        reward_s = time.perf_counter() - t
+        rows, outs, scores, errors, extras = self._rollout(self.loader.next_batch(), step)
+        predicted = self._predicted
+        # rewards ran while other prompts were still generating: rollout time excludes them
+        gen_s = time.perf_counter() - t - self._reward_s
         kept_rows, kept_outs, kept_scores = rows, outs, scores
         filtered = 0
         if algo.dynamic_sampling:  # DAPO: drop groups that teach nothing, draw more (bounded)
@@ -180,9 +214,9 @@ class RLRun:
                 if len(kept_rows) >= cfg.trainer.batch_prompts:
                     break
                 t = time.perf_counter()
-                more_rows, more_outs = self._rollout(self.loader.next_batch(), step)
-                gen_s += time.perf_counter() - t
-                more_scores, e2, _ = self._score(more_rows, more_outs)
+                r0 = self._reward_s
+                more_rows, more_outs, more_scores, e2, _ = self._rollout(self.loader.next_batch(), step)
+                gen_s += time.perf_counter() - t - (self._reward_s - r0)
                 errors += e2
                 for r_, o_, s_ in zip(more_rows, more_outs, more_scores):
                     if max(s_) != min(s_):
@@ -223,8 +257,9 @@ class RLRun:
             old_s = upd_s = 0.0
             log.warning("step %d: every group had equal rewards; no update", step)
         t = time.perf_counter()
-        self.llm.update_weights(dict(self.model.named_parameters()))
+        self.rollout.pool.update_weights(dict(self.model.named_parameters()))
         sync_s = time.perf_counter() - t
+        reward_s = self._reward_s
         step_s = time.perf_counter() - t_step
 
         all_scores = [s for g in scores for s in g]
@@ -259,21 +294,46 @@ class RLRun:
             "spec/decode_tokens": rows_f + acc,
         })
         metrics.update({f"reward_extra/{k}": float(np.mean(v)) for k, v in extras.items()})
+        pipe = vars(self.rollout.pipe)
+        metrics.update({f"pipe/{k}": pipe[k] - p0[k] for k in pipe})
+        metrics["pipe/workers"] = self.rollout.num_workers
+        true_mean = [float(np.mean([len(c.token_ids) for c in o.outputs])) for o in outs]
+        known = [(p, t) for p, t in zip(predicted, true_mean) if p is not None]
+        if len(known) >= 3:
+            from rhymerl.scheduling import spearman
+
+            metrics["pipe/length_rank_corr"] = spearman([k[0] for k in known], [k[1] for k in known])
+        with open(self.run_dir / "traces.jsonl", "a") as f:  # per-sample lengths: what `bench pipe` replays
+            f.write(json.dumps({"step": step, "keys": [row.key for row in rows], "predicted": predicted,
+                                "prompt_lens": [len(o.prompt_token_ids) for o in outs],
+                                "lengths": [[len(c.token_ids) for c in o.outputs] for o in outs],
+                                "forwards": [[c.num_forwards for c in o.outputs] for o in outs],
+                                "gen_s": gen_s}) + "\n")
         return metrics
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy: greedy, and avg@4 at the rollout temperature (what RL optimises)."""
         r = self.cfg.rollout
-        greedy = evaluate(self.llm, self.val_rows, self.rewards, max_tokens=r.max_tokens)
+        greedy = evaluate(self.rollout, self.val_rows, self.rewards, max_tokens=r.max_tokens)
         out = {"val/accuracy": greedy.accuracy}
         if r.temperature > 0:
-            sampled = evaluate(self.llm, self.val_rows, self.rewards, max_tokens=r.max_tokens,
+            sampled = evaluate(self.rollout, self.val_rows, self.rewards, max_tokens=r.max_tokens,
                                temperature=r.temperature, n=4, seed=self.cfg.seed + 7)
             out["val/accuracy_sampled"] = sampled.accuracy
         return out
 
     # --- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the rollout workers (idempotent)."""
+        self.rollout.pool.close()
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.initial_accuracy is None and self.val_rows:

@@ -1,0 +1,322 @@
+"""Where rollout workers live: in this process, in local processes, or in Ray actors.
+
+Every backend gives the same :class:`WorkerHandle`: start one call, learn when it is done,
+take its result (or :class:`WorkerLost`), kill. The coordinator keeps at most one call in
+flight per worker. Weights travel by shared memory (local) or the object store (Ray),
+never through files.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Mapping
+
+import torch
+
+from rhymerl.distribution.work import WorkerLost, WorkerSpec
+from rhymerl.distribution.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
+
+
+class WorkerHandle:
+    index: int
+    alive: bool = True
+    started_at: float | None = None  # when the call in flight began
+
+    def start(self, method: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """A blocking call."""
+        self.start(method, *args)
+        return self.result()
+
+
+class WorkerPool:
+    """R workers of one backend."""
+
+    handles: list[WorkerHandle]
+
+    def wait(self, timeout: float) -> list[WorkerHandle]:
+        """Handles whose call has finished (or whose worker died), waiting up to ``timeout``."""
+        raise NotImplementedError
+
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def alive(self) -> list[WorkerHandle]:
+        return [h for h in self.handles if h.alive]
+
+    def close(self) -> None:
+        for h in self.handles:
+            if h.alive:
+                h.kill()
+
+
+# --- in this process --------------------------------------------------------------------------
+class InprocHandle(WorkerHandle):
+    """The worker runs in the caller's thread; a call completes when started."""
+
+    def __init__(self, index: int, spec: WorkerSpec) -> None:
+        self.index, self.worker = index, RolloutWorker(spec)
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def start(self, method: str, *args: Any) -> None:
+        self.started_at = time.monotonic()
+        try:
+            self._result, self._error = getattr(self.worker, method)(*args), None
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._result, self._error = None, e
+
+    def result(self) -> Any:
+        self.started_at = None
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def kill(self) -> None:
+        self.alive = False
+
+
+class InprocPool(WorkerPool):
+    def __init__(self, specs: list[WorkerSpec]) -> None:
+        self.handles = [InprocHandle(i, s) for i, s in enumerate(specs)]
+
+    def wait(self, timeout: float) -> list[WorkerHandle]:
+        return [h for h in self.handles if h.alive and h.started_at is not None]
+
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        for h in self.alive():
+            h.worker.update_weights(named)
+
+
+# --- local processes ----------------------------------------------------------------------------
+def _serve(conn, spec: WorkerSpec, flat: torch.Tensor, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
+    """A worker process: answer calls until told to stop or the pipe closes."""
+    try:
+        worker = RolloutWorker(spec)
+    except BaseException:  # noqa: BLE001 - reported to the controller
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", os.getpid()))
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if method == "close":
+            return
+        try:
+            if method == "load_shared":
+                worker.update_weights({n: flat[o:o + _numel(s)].view(s) for n, o, s in layout})
+                res: Any = None
+            else:
+                res = getattr(worker, method)(*args)
+            conn.send(("ok", res))
+        except BaseException:  # noqa: BLE001 - one failing call does not take the worker down
+            conn.send(("error", traceback.format_exc()))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class ProcessHandle(WorkerHandle):
+    def __init__(self, index: int, proc, conn) -> None:
+        self.index, self.proc, self.conn = index, proc, conn
+
+    def start(self, method: str, *args: Any) -> None:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.index} is gone")
+        self.started_at = time.monotonic()
+        try:
+            self.conn.send((method, args))
+        except (BrokenPipeError, OSError) as e:
+            self._lost(f"pipe closed ({e})")
+
+    def result(self) -> Any:
+        self.started_at = None
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError, ConnectionResetError):
+            self._lost(f"process exited (code {self.proc.exitcode})" if not self.proc.is_alive()
+                       else "pipe closed")
+        if status == "error":
+            raise RuntimeError(f"worker {self.index}: {value}")
+        return value
+
+    def _lost(self, why: str) -> None:
+        self.kill()
+        raise WorkerLost(f"worker {self.index} lost: {why}")
+
+    def kill(self) -> None:
+        self.alive = False
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+
+
+class ProcessPool(WorkerPool):
+    """Worker processes on this machine (spawned: no inherited torch threads), the cores split among them."""
+
+    def __init__(self, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor]) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        # One flat shared buffer holds every weight; a sync writes it once and each worker
+        # copies from it, so the weights never pass through a pipe or a file.
+        layout, off = [], 0
+        for n, t in named.items():
+            layout.append((n, off, tuple(t.shape)))
+            off += t.numel()
+        self._flat = torch.empty(off, dtype=torch.float32).share_memory_()
+        self._layout = layout
+        self.handles = []
+        for i, spec in enumerate(specs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child, spec, self._flat, layout), daemon=True,
+                               name=f"rhymerl-worker-{i}")
+            proc.start()
+            child.close()
+            self.handles.append(ProcessHandle(i, proc, parent))
+        for h in self.handles:
+            h.started_at = time.monotonic()
+            h.pid = h.result()
+
+    def wait(self, timeout: float) -> list[WorkerHandle]:
+        busy = {h.conn: h for h in self.handles if h.alive and h.started_at is not None}
+        sentinels = {h.proc.sentinel: h for h in busy.values()}
+        ready = mp_wait(list(busy) + list(sentinels), timeout=timeout)
+        out = []
+        for r in ready:
+            h = busy.get(r) or sentinels.get(r)
+            if h is not None and h not in out:
+                out.append(h)
+        return out
+
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, o, s in self._layout:
+                self._flat[o:o + _numel(s)].copy_(named[n].detach().reshape(-1).to("cpu", torch.float32))
+        live = self.alive()
+        for h in live:
+            h.start("load_shared")
+        for h in live:
+            h.result()
+
+    def close(self) -> None:
+        for h in self.alive():
+            try:
+                h.conn.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            h.proc.join(timeout=5)
+            h.kill()
+
+
+# --- Ray -----------------------------------------------------------------------------------------
+class RayHandle(WorkerHandle):
+    def __init__(self, index: int, actor) -> None:
+        self.index, self.actor = index, actor
+        self.ref = None
+
+    def start(self, method: str, *args: Any) -> None:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.index} is gone")
+        self.started_at = time.monotonic()
+        self.ref = getattr(self.actor, method).remote(*args)
+
+    def result(self) -> Any:
+        import ray
+
+        self.started_at = None
+        ref, self.ref = self.ref, None
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+            self.kill()
+            raise WorkerLost(f"worker {self.index} lost: {type(e).__name__}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise RuntimeError(f"worker {self.index}: {e}") from None
+
+    def kill(self) -> None:
+        import ray
+
+        self.alive = False
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+
+
+class RayPool(WorkerPool):
+    """Each worker a Ray actor. ``address=None`` starts a local cluster bound to localhost."""
+
+    def __init__(self, specs: list[WorkerSpec], *, address: str | None = None, num_cpus: int | None = None) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            else:
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                ray.init(num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=False,
+                         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(specs[0].threads)}})
+        actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
+        self.handles = [RayHandle(i, actor_cls.remote(spec)) for i, spec in enumerate(specs)]
+        ray.get([h.actor.ping.remote() for h in self.handles])
+
+    def wait(self, timeout: float) -> list[WorkerHandle]:
+        import ray
+
+        busy = {h.ref: h for h in self.handles if h.alive and h.ref is not None}
+        if not busy:
+            return []
+        ready, _ = ray.wait(list(busy), num_returns=1, timeout=timeout)
+        if ready:  # take every other finished call too
+            more, _ = ray.wait(list(busy), num_returns=len(busy), timeout=0)
+            ready = list({*ready, *more})
+        return [busy[r] for r in ready]
+
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        import ray
+
+        # numpy arrays go through the object store without pickling the data (zero-copy reads)
+        ref = ray.put({n: t.detach().to("cpu", torch.float32).numpy() for n, t in named.items()})
+        live = self.alive()
+        for h in live:
+            h.start("update_weights_numpy", ref)
+        for h in live:
+            h.result()
+
+    def close(self) -> None:
+        for h in self.alive():
+            h.kill()
+
+
+def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor], *,
+              address: str | None = None) -> WorkerPool:
+    """``local``: in this process for one worker, else spawned processes; ``ray``: Ray actors."""
+    if backend == "local":
+        pool: WorkerPool = InprocPool(specs) if len(specs) == 1 else ProcessPool(specs, named)
+    elif backend == "ray":
+        pool = RayPool(specs, address=address)
+    else:
+        raise ValueError(f"rollout.backend {backend!r} is not one of 'local', 'ray'")
+    pool.update_weights(named)
+    return pool

@@ -1,0 +1,65 @@
+"""Build the rollout side of a run from its config: workers, their backend, the coordinator."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from rhymerl.config import RunConfig
+from rhymerl.distribution.backends import make_pool
+from rhymerl.distribution.coordinator import RolloutCoordinator
+from rhymerl.distribution.work import WorkerSpec
+from rhymerl.scheduling import StepCost
+
+log = logging.getLogger(__name__)
+
+
+def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
+    r = cfg.rollout
+    R = r.workers
+    spec = r.speculative
+    speculative: dict[str, Any] | None = None
+    if spec.method != "none":
+        speculative = {"method": spec.method, **{k: v for k, v in vars(spec).items() if k != "method"}}
+    device = cfg.model.device
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(R)]
+    else:
+        devices = ["cpu" if device == "auto" else device] * R
+    in_process = R == 1 and r.backend == "local"
+    threads = 0 if in_process else max(1, (os.cpu_count() or 1) // R)
+    return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
+                       device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,
+                       seed=cfg.seed + i) for i in range(R)]
+
+
+def profile_cost(model_path: str | Path, cfg: RunConfig, threads: int) -> StepCost:
+    """The workers' step-time curve, measured once on this machine with a worker's thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        top = min(cfg.rollout.max_num_seqs, 128)
+        batches = tuple(sorted({1, max(1, top // 8), max(1, top // 2), top}))
+        dev = "cpu" if not torch.cuda.is_available() else "cuda"
+        return StepCost.profile(str(model_path), batches=batches, device=dev, name="profiled worker")
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_coordinator(cfg: RunConfig, model_path: str | Path, named: Mapping[str, torch.Tensor], *,
+                      tokenizer=None, history=None) -> RolloutCoordinator:
+    """Start the workers (loaded from ``model_path``, then synced to ``named``) and their coordinator."""
+    r = cfg.rollout
+    specs = worker_specs(cfg, model_path)
+    cost = None
+    if r.workers > 1 and r.schedule == "histopipe":
+        cost = profile_cost(model_path, cfg, specs[0].threads)
+        log.info("worker cost curve: %s", cost.to_dict())
+    pool = make_pool(r.backend, specs, named, address=cfg.cluster.address)
+    return RolloutCoordinator(pool, policy=r.schedule, history=history, cost=cost, max_num_seqs=r.max_num_seqs,
+                              length_stat=r.length_stat, tail_fraction=r.tail_fraction,
+                              worker_timeout_s=r.worker_timeout_s, complementary=r.complementary,
+                              migrate=r.migrate, tokenizer=tokenizer)

@@ -1,0 +1,111 @@
+"""One rollout worker: an engine with its own copy of the weights, driven in short slices."""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import torch
+
+from rhymerl.distribution.work import ItemResult, WorkerReport, WorkerSpec, WorkItem
+
+_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s")
+
+
+class RolloutWorker:
+    """Runs work items on its engine; the same class backs the in-process, process and Ray workers."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from rhymerl.drafting import HistoryStore, build_proposer
+        from rhymerl.engine import LLM
+
+        if spec.threads > 0:  # 0: an in-process worker keeps the caller's threads
+            torch.set_num_threads(spec.threads)
+        proposer = None
+        if spec.speculative and spec.speculative.get("method", "none") != "none":
+            sp = dict(spec.speculative)
+            sp["record"] = False  # the controller owns the history; this worker only drafts from it
+            proposer = build_proposer(sp, HistoryStore(max_rollouts=sp.get("history_epochs", 1)))
+        self.llm = LLM(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
+                       device=spec.device, dtype=spec.dtype, speculative=proposer, seed=spec.seed)
+        self.engine = self.llm.engine
+        self.store = getattr(proposer, "store", None)
+        self._rid_item: dict[int, int] = {}
+        self._item_rid: dict[int, int] = {}
+        self._step: int | None = None
+        self._batch_mark = 0
+        self._mark = self._counters()
+
+    def _counters(self) -> dict[str, float]:
+        st = self.engine.stats
+        return {k: getattr(st, k) for k in _COUNTERS}
+
+    def ping(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        self.llm.update_weights(named)
+
+    def update_weights_numpy(self, named: Mapping[str, Any]) -> None:
+        """Weights as numpy arrays (from Ray's object store, read without a copy)."""
+        self.llm.update_weights({n: torch.from_numpy(a) for n, a in named.items()})
+
+    def advance(self, items: list[WorkItem], step: int, seconds: float) -> WorkerReport:
+        """Queue ``items``, then run engine steps for about ``seconds`` (at least one step)."""
+        finished: list[ItemResult] = []
+        if step != self._step:
+            self._step = step
+            if self.engine.proposer is not None and hasattr(self.engine.proposer, "begin"):
+                self.engine.proposer.begin(step)
+        for it in items:
+            if self.store is not None and it.prompt_key is not None:
+                self.store.put(it.prompt_key, it.prompt_ids, it.history)
+            rid = self.engine.add_request(it.prompt_ids, it.params, it.seed, it.prompt_key,
+                                          samples=it.samples, prefixes=it.prefixes)
+            out = self.engine.requests[rid]
+            if out.error is not None:
+                self.engine.pop_request(rid)
+                finished.append(ItemResult(it.item_id, [], out.error))
+                continue
+            self._rid_item[rid], self._item_rid[it.item_id] = it.item_id, rid
+        t0 = time.perf_counter()
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                finished.append(self._pop(out.request_id))
+            if time.perf_counter() - t0 >= seconds:
+                break
+        return self._report(finished)
+
+    def abort(self, item_id: int, sample: int) -> tuple[list[int], list[float]] | None:
+        """Take one unfinished sample away (to move it); returns its tokens and log-probs so far."""
+        rid = self._item_rid.get(item_id)
+        if rid is None:
+            return None
+        got = self.engine.abort(rid, sample)
+        if got is not None and not self.engine.requests[rid].outputs:
+            self.engine.pop_request(rid)
+            del self._item_rid[item_id], self._rid_item[rid]
+        return got
+
+    def _pop(self, rid: int) -> ItemResult:
+        out = self.engine.pop_request(rid)
+        item = self._rid_item.pop(rid)
+        del self._item_rid[item]
+        return ItemResult(item, out.outputs, out.error)
+
+    def _report(self, finished: list[ItemResult]) -> WorkerReport:
+        running, waiting = [], []
+        for s in self.engine.sequences():
+            item = self._rid_item[s.request_id]
+            if s.status.name == "RUNNING":
+                running.append((item, s.sample_index, len(s.output_ids)))
+            else:
+                waiting.append((item, s.sample_index))
+        now = self._counters()
+        stats: dict[str, Any] = {k: now[k] - self._mark[k] for k in _COUNTERS}
+        bs = self.engine.stats.batch_sizes
+        stats["batch_sizes"] = bs[self._batch_mark:]
+        self._batch_mark = len(bs)
+        self._mark = now
+        return WorkerReport(finished, running, waiting, stats)

@@ -1,0 +1,152 @@
+"""Plans for one rollout step: which worker runs which samples, in what order.
+
+Policies (all keep the step's barrier: nothing here is off-policy):
+
+- ``even``: the batch cut into equal contiguous parts, one per worker (verl's default split).
+- ``least_loaded``: each sample sent to the worker with the fewest outstanding requests at
+  dispatch time (verl / OpenRLHF routing). A step dispatches its whole batch at once, so
+  this balances counts, not work.
+- ``histopipe``: samples ranked by the length predicted from history, the ranking cut into
+  contiguous groups with a budget found by binary search on the cost curve (allocation:
+  a worker gets few long samples or many short ones, so groups finish together), groups
+  placed on workers in complementary order across steps (odd steps group 0 on worker 0,
+  even steps reversed), each worker's queue longest first; at run time, tail migration.
+- ``oracle``: the same plan from the true lengths (a bound no real run can have).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rhymerl.scheduling.cost import StepCost
+
+POLICIES = ("even", "least_loaded", "histopipe", "oracle")
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """Some samples of one prompt of the step, run together on one worker."""
+
+    prompt: int
+    samples: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    policy: str
+    workers: list[list[WorkUnit]]  # per worker, in submission order
+    migrate: bool = False  # move tail requests to idle workers at run time
+    predicted: np.ndarray | None = field(default=None, repr=False)  # per prompt, what the plan assumed
+
+    def samples_per_worker(self) -> list[int]:
+        return [sum(len(u.samples) for u in w) for w in self.workers]
+
+
+def _merge(units: list[tuple[int, int]]) -> list[WorkUnit]:
+    """Consecutive samples of one prompt become one unit (they share a prefill and siblings)."""
+    out: list[WorkUnit] = []
+    for p, s in units:
+        if out and out[-1].prompt == p:
+            out[-1] = WorkUnit(p, out[-1].samples + (s,))
+        else:
+            out.append(WorkUnit(p, (s,)))
+    return out
+
+
+def estimate_s(lengths_sum: float, longest: float, count: int, cost: StepCost, max_num_seqs: int,
+               prefill_tokens_per_sample: float = 0.0) -> float:
+    """Time for one worker to decode ``count`` samples of total ``lengths_sum`` tokens.
+
+    With a cost line ``base + per_seq * B``: every token costs ``per_seq`` once, and the step
+    overhead is paid once per step, i.e. for the longest sample, or for the total divided by
+    the slots when the samples outnumber them. Prefill: samples admitted together share it,
+    but once slots run out they are admitted one by one, each with its own.
+    """
+    if count == 0:
+        return 0.0
+    steps = longest if count <= max_num_seqs else max(longest, lengths_sum / max_num_seqs)
+    prefills = prefill_tokens_per_sample * (count if count > max_num_seqs else 1)
+    return cost.base_s * steps + cost.per_seq_s * lengths_sum + cost.prefill_per_token_s * prefills
+
+
+def _partition(lengths: np.ndarray, R: int, cost: StepCost, max_num_seqs: int, prompt_len: float) -> list[int]:
+    """Cut ``lengths`` (ranked, longest first) into at most R contiguous groups minimising the
+    largest estimated group time; returns the group start indices."""
+
+    def cut(budget: float) -> list[int] | None:
+        starts, total, longest, count = [0], 0.0, 0.0, 0
+        for i, x in enumerate(lengths):
+            t, lg = total + x, max(longest, x)
+            if count and estimate_s(t, lg, count + 1, cost, max_num_seqs, prompt_len) > budget:
+                starts.append(i)
+                if len(starts) > R:
+                    return None
+                t, lg, count = x, x, 0
+            total, longest, count = t, lg, count + 1
+        return starts
+
+    lo = max(estimate_s(x, x, 1, cost, max_num_seqs, prompt_len) for x in lengths)
+    hi = estimate_s(float(lengths.sum()), float(lengths.max()), len(lengths), cost, max_num_seqs, prompt_len)
+    best = cut(hi) or [0]
+    for _ in range(50):
+        if hi - lo <= 1e-6 * hi:
+            break
+        mid = (lo + hi) / 2
+        c = cut(mid)
+        if c is None:
+            lo = mid
+        else:
+            best, hi = c, mid
+    return best
+
+
+def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers: int, *,
+              cost: StepCost, max_num_seqs: int, step: int = 1, complementary: bool = True,
+              migrate: bool = True, prompt_len: float = 0.0) -> Plan:
+    """Plan one step.
+
+    Args:
+        policy: one of :data:`POLICIES`.
+        lengths: per prompt, per sample: the lengths the policy may use. ``histopipe`` gets
+            predictions (equal within a prompt), ``oracle`` the true lengths; ``even`` and
+            ``least_loaded`` only use the shape.
+        num_workers: R.
+        cost: the workers' step-time curve (allocation uses it).
+        max_num_seqs: slots per worker.
+        step: the RL step (complementary order alternates on it).
+        complementary: odd steps place the longest group on worker 0, even steps on worker R-1.
+        migrate: tail migration at run time (histopipe only).
+        prompt_len: mean prompt tokens (prefill cost in the estimates).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"scheduling policy {policy!r} is not one of {POLICIES}")
+    R = num_workers
+    lens = [list(map(float, x)) for x in lengths]
+    P = len(lens)
+    if policy == "even":
+        work: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+        for p in range(P):
+            work[p * R // max(1, P)].extend((p, s) for s in range(len(lens[p])))
+        return Plan(policy, [_merge(w) for w in work])
+    if policy == "least_loaded":
+        work = [[] for _ in range(R)]
+        outstanding = np.zeros(R, dtype=np.int64)
+        for p in range(P):
+            for s in range(len(lens[p])):
+                w = int(np.argmin(outstanding))
+                work[w].append((p, s))
+                outstanding[w] += 1
+        return Plan(policy, [_merge(w) for w in work])
+    units = [(p, s) for p in range(P) for s in range(len(lens[p]))]
+    flat = np.array([lens[p][s] for p, s in units], dtype=np.float64)
+    order = np.argsort(-flat, kind="stable")  # stable: siblings with equal predictions stay together
+    ranked = flat[order]
+    starts = _partition(ranked, R, cost, max_num_seqs, prompt_len) if len(ranked) else [0]
+    bounds = starts + [len(ranked)]
+    groups = [[units[i] for i in order[bounds[g]:bounds[g + 1]]] for g in range(len(starts))]
+    groups += [[] for _ in range(R - len(groups))]
+    if complementary and step % 2 == 0:
+        groups = groups[::-1]
+    predicted = np.array([np.mean(x) if x else 0.0 for x in lens])
+    return Plan(policy, [_merge(g) for g in groups], migrate=migrate and policy == "histopipe", predicted=predicted)

@@ -1,0 +1,231 @@
+"""A discrete-event simulation of one rollout step on R workers.
+
+Each worker is a continuous-batching engine with ``max_num_seqs`` slots whose decode step
+costs ``cost.step_s(B)`` at batch size B (and prefill ``cost.prefill_per_token_s`` per
+token). Between two events (a sample finishes, samples are admitted, work moves) a worker's
+batch is constant, so the simulation jumps from event to event: O(samples log samples).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rhymerl.scheduling.cost import StepCost
+from rhymerl.scheduling.planner import Plan
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workers: int
+    makespan_s: float
+    bubble_fraction: float  # idle worker-time / total worker-time within the rollout phase
+    tokens: int
+    migrations: int = 0  # running samples moved to another worker (KV recomputed there)
+    steals: int = 0  # samples not yet started taken by an idle worker
+    busy_s: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
+class _Worker:
+    __slots__ = ("queue", "running", "due", "c", "t", "busy", "version", "done_at", "removed")
+
+    def __init__(self) -> None:
+        self.queue: deque[int] = deque()  # samples not yet admitted, in submission order
+        self.running: list[tuple[int, int]] = []  # heap (end counter, request id)
+        self.due: list[tuple[float, int]] = []  # heap (start counter + predicted length, request id)
+        self.c = 0  # decode steps done (every running sample advances one token per step)
+        self.t = 0.0  # time at which ``c`` was reached
+        self.busy = 0.0
+        self.version = 0
+        self.done_at = 0.0
+        self.removed: set[int] = set()  # migrated away (lazy heap deletion)
+
+    def size(self) -> int:
+        return len(self.running) - len(self.removed)
+
+
+def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int, cost: StepCost, *,
+             max_num_seqs: int, predicted: np.ndarray | None = None, tail_fraction: float = 0.1) -> SimResult:
+    """Simulate ``plan`` when sample s of prompt p really produces ``lengths[p][s]`` tokens.
+
+    With ``plan.migrate``, an idle worker first takes a not-yet-started sample from the
+    worker with the most waiting; then, once at most ``tail_fraction`` of the samples are
+    unfinished, the running sample furthest past its predicted length (``predicted[p]``) on
+    a worker running at least two moves to it, if the time it should save (expecting as many
+    tokens again as it has) exceeds the KV recompute.
+    """
+    R = len(plan.workers)
+    P = len(lengths)
+    plens = [prompt_lens] * P if isinstance(prompt_lens, int) else list(prompt_lens)
+    pred = predicted if predicted is not None else plan.predicted
+    if pred is None:
+        pred = np.array([np.mean(x) for x in lengths])
+    req_prompt: list[int] = []
+    req_len: list[int] = []
+    ws = [_Worker() for _ in range(R)]
+    for w, units in zip(ws, plan.workers):
+        for u in units:
+            for s in u.samples:
+                w.queue.append(len(req_prompt))
+                req_prompt.append(u.prompt)
+                req_len.append(max(1, int(lengths[u.prompt][s])))
+    total = len(req_prompt)
+    start = [0] * total  # worker counter at admission (shifted back by tokens made before a move)
+    done = [False] * total
+    unfinished = total
+    waiting = total
+    migrations = steals = 0
+    step_s = cost.step_s
+    pre = cost.prefill_per_token_s
+    events: list[tuple[float, int, int]] = []  # (time, worker, version); version -1: an idle worker's wake-up
+    waking: set[int] = set()
+    # Per-worker arrays for the vectorised search of a migration candidate.
+    A_c = np.zeros(R)
+    A_t = np.zeros(R)
+    A_B = np.zeros(R)
+    A_due = np.full(R, np.inf)
+    xb, yb = np.asarray(cost.batch, dtype=np.float64), np.asarray(cost.seconds, dtype=np.float64)
+
+    def refresh(wi: int) -> None:
+        w = ws[wi]
+        while w.due and (done[w.due[0][1]] or w.due[0][1] in w.removed):
+            heapq.heappop(w.due)
+        A_c[wi], A_t[wi], A_B[wi] = w.c, w.t, w.size()
+        A_due[wi] = w.due[0][0] if w.due else np.inf
+
+    def admit(w: _Worker) -> None:
+        nonlocal waiting
+        free = max_num_seqs - w.size()
+        seen: set[int] = set()
+        prefill = 0
+        while w.queue and free > 0:
+            rid = w.queue.popleft()
+            waiting -= 1
+            p = req_prompt[rid]
+            if p not in seen:  # samples of a prompt admitted together share one prefill
+                seen.add(p)
+                prefill += plens[p]
+            start[rid] = w.c
+            heapq.heappush(w.running, (w.c + req_len[rid], rid))
+            heapq.heappush(w.due, (w.c + float(pred[p]), rid))
+            free -= 1
+        if prefill:
+            w.t += prefill * pre
+            w.busy += prefill * pre
+
+    def schedule(wi: int) -> None:
+        w = ws[wi]
+        w.version += 1
+        while w.running and w.running[0][1] in w.removed:
+            w.removed.discard(heapq.heappop(w.running)[1])
+        if w.running:
+            heapq.heappush(events, (w.t + (w.running[0][0] - w.c) * step_s(w.size()), wi, w.version))
+        else:
+            w.done_at = w.t
+        refresh(wi)
+
+    def steal(wi: int, now: float) -> bool:
+        nonlocal steals, waiting
+        victim = max(range(R), key=lambda j: len(ws[j].queue))
+        if not ws[victim].queue:
+            return False
+        thief = ws[wi]
+        thief.queue.append(ws[victim].queue.pop())  # the shortest waiting work (queues run longest first)
+        thief.t = max(thief.t, now)
+        steals += 1
+        return True
+
+    def migrate(wi: int, now: float) -> bool:
+        nonlocal migrations
+        B = np.maximum(A_B, 1)
+        steps_in_flight = (now - A_t) / np.interp(B, xb, yb)
+        over = np.where((A_B >= 2) & (np.arange(R) != wi), A_c + steps_in_flight - A_due, -np.inf)
+        j = int(np.argmax(over))
+        if not over[j] > 0:
+            # Nothing is overdue yet: wake up when the first candidate will be.
+            eligible = (A_B >= 2) & (np.arange(R) != wi) & np.isfinite(A_due)
+            if eligible.any() and wi not in waking:
+                when = A_t + (A_due - A_c) * np.interp(B, xb, yb) + 1e-9
+                t_wake = float(when[eligible].min())
+                if t_wake > now:
+                    waking.add(wi)
+                    heapq.heappush(events, (t_wake, wi, -1))
+            return False
+        v = ws[j]
+        Bv = v.size()
+        d = min(int((now - v.t) / step_s(Bv)), v.running[0][0] - v.c)
+        v.c += d
+        v.t += d * step_s(Bv)
+        v.busy += d * step_s(Bv)
+        rid = heapq.heappop(v.due)[1]
+        generated = v.c - start[rid]
+        recompute = (plens[req_prompt[rid]] + generated) * pre
+        if (step_s(Bv) - step_s(1)) * generated <= recompute:
+            heapq.heappush(v.due, (np.inf, rid))  # not worth it: never reconsidered
+            refresh(j)
+            return False
+        v.removed.add(rid)
+        schedule(j)
+        thief = ws[wi]
+        thief.t = max(thief.t, now) + recompute
+        thief.busy += recompute
+        start[rid] = thief.c - generated
+        heapq.heappush(thief.running, (thief.c + req_len[rid] - generated, rid))
+        migrations += 1
+        return True
+
+    for wi, w in enumerate(ws):
+        admit(w)
+        schedule(wi)
+    idle = [wi for wi, w in enumerate(ws) if not w.running]
+    now = 0.0
+    while True:
+        if plan.migrate and idle:
+            still = []
+            for k, wi in enumerate(idle):
+                took = (waiting > 0 and steal(wi, now)) or (unfinished <= tail_fraction * total and migrate(wi, now))
+                if took:
+                    admit(ws[wi])
+                    schedule(wi)
+                else:
+                    still.append(wi)
+                    if waiting == 0 and unfinished > tail_fraction * total:
+                        still += idle[k + 1:]
+                        break
+            idle = still
+        if not events:
+            break
+        t_ev, wi, ver = heapq.heappop(events)
+        w = ws[wi]
+        if ver == -1:
+            waking.discard(wi)
+            now = max(now, t_ev)
+            continue
+        if ver != w.version:
+            continue
+        now = t_ev
+        w.busy += t_ev - w.t
+        w.c = w.running[0][0]
+        w.t = t_ev
+        while w.running and w.running[0][0] <= w.c:
+            _, rid = heapq.heappop(w.running)
+            if rid in w.removed:
+                w.removed.discard(rid)
+                continue
+            done[rid] = True
+            unfinished -= 1
+        admit(w)
+        schedule(wi)
+        if not w.running:
+            idle.append(wi)
+    makespan = max((w.done_at for w in ws), default=0.0)
+    busy = [w.busy for w in ws]
+    bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
+    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy)

@@ -1,0 +1,222 @@
+"""HistoPipe: length prediction, plans, the simulator, the coordinator, worker faults."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+from rhymerl.distribution import InprocPool, RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
+from rhymerl.drafting import HistoryStore
+from rhymerl.engine import LLM, SamplingParams
+from rhymerl.model import save_pretrained
+from rhymerl.scheduling import StepCost, make_plan, predict_lengths, simulate, spearman
+from rhymerl.scheduling.planner import Plan, WorkUnit, estimate_s
+
+FLAT = StepCost((1, 64), (1.0, 1.0), 0.0, "flat")  # every step 1 s, whatever the batch
+LINEAR = StepCost((1, 65), (0.01, 0.65), 0.0, "linear")  # 10 ms per sequence
+
+
+# --- prediction ---------------------------------------------------------------------------------
+def test_prediction_uses_history_and_falls_back_to_the_batch():
+    pred = predict_lengths([[10, 20], [], [40, 40, 100]], "mean")
+    assert pred[0] == 15 and pred[2] == 60
+    assert pred[1] == np.median([15, 60])
+    assert predict_lengths([[3, 9]], "max")[0] == 9
+    assert (predict_lengths([[], []]) == 1.0).all()
+    with pytest.raises(ValueError, match="length stat"):
+        predict_lengths([[1]], "mode")
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+
+
+# --- plans ----------------------------------------------------------------------------------------
+def test_even_and_least_loaded_plans():
+    lengths = [[5.0] * 2 for _ in range(6)]
+    even = make_plan("even", lengths, 3, cost=FLAT, max_num_seqs=8)
+    assert [[u.prompt for u in w] for w in even.workers] == [[0, 1], [2, 3], [4, 5]]
+    ll = make_plan("least_loaded", lengths, 4, cost=FLAT, max_num_seqs=8)
+    assert ll.samples_per_worker() == [3, 3, 3, 3]
+    assert not even.migrate and not ll.migrate
+
+
+def test_histopipe_balances_predicted_work_and_alternates_order():
+    rng = np.random.default_rng(0)
+    per_prompt = np.sort(rng.lognormal(3, 0.7, size=40))  # dataset order happens to put long prompts last
+    lengths = [[float(x)] * 4 for x in per_prompt]
+
+    def worst(plan):
+        return max(estimate_s(sum(lengths[u.prompt][s] for u in w for s in u.samples),
+                              max((lengths[u.prompt][0] for u in w), default=0),
+                              sum(len(u.samples) for u in w), LINEAR, 64) for w in plan.workers)
+
+    even = make_plan("even", lengths, 4, cost=LINEAR, max_num_seqs=64)
+    hp = make_plan("histopipe", lengths, 4, cost=LINEAR, max_num_seqs=64, step=1)
+    assert worst(hp) < 0.8 * worst(even)
+    # every sample placed exactly once
+    placed = sorted((u.prompt, s) for w in hp.workers for u in w for s in u.samples)
+    assert placed == [(p, s) for p in range(40) for s in range(4)]
+    # longest group first on odd steps, on the last worker on even steps
+    hp2 = make_plan("histopipe", lengths, 4, cost=LINEAR, max_num_seqs=64, step=2)
+    top = int(np.argmax(per_prompt))
+    assert any(u.prompt == top for u in hp.workers[0]) and any(u.prompt == top for u in hp2.workers[-1])
+    # each worker runs its longest work first
+    for w in hp.workers:
+        firsts = [lengths[u.prompt][0] for u in w]
+        assert firsts == sorted(firsts, reverse=True)
+
+
+# --- simulator --------------------------------------------------------------------------------
+def test_simulator_matches_hand_computation():
+    # one worker, 1 s per step: samples of 3 and 5 tokens run together -> 5 steps
+    plan = make_plan("even", [[3, 5]], 1, cost=FLAT, max_num_seqs=4)
+    r = simulate(plan, [[3, 5]], 0, FLAT, max_num_seqs=4)
+    assert r.makespan_s == pytest.approx(5.0) and r.bubble_fraction == pytest.approx(0.0)
+    # one slot: they run one after the other -> 8 steps
+    assert simulate(plan, [[3, 5]], 0, FLAT, max_num_seqs=1).makespan_s == pytest.approx(8.0)
+    # two workers, even split of [10] and [2]: worker 1 idles 8 of 10 s -> bubble 0.4
+    plan2 = make_plan("even", [[10], [2]], 2, cost=FLAT, max_num_seqs=4)
+    r2 = simulate(plan2, [[10], [2]], 0, FLAT, max_num_seqs=4)
+    assert r2.makespan_s == pytest.approx(10.0) and r2.bubble_fraction == pytest.approx(0.4)
+
+
+def test_simulator_tail_migration_helps_when_steps_cost_more_at_larger_batch():
+    # worker 0's samples all run far longer than predicted; worker 1 finishes early and takes one
+    lengths = [[200] + [100] * 7, [10] * 8]
+    workers = [[WorkUnit(0, tuple(range(8)))], [WorkUnit(1, tuple(range(8)))]]
+    plan = Plan("histopipe", workers, migrate=True)
+    no = simulate(Plan("histopipe", workers, migrate=False), lengths, 4, LINEAR, max_num_seqs=8,
+                  predicted=np.array([10.0, 10.0]))
+    yes = simulate(plan, lengths, 4, LINEAR, max_num_seqs=8, predicted=np.array([10.0, 10.0]), tail_fraction=0.5)
+    assert yes.migrations >= 1
+    assert yes.makespan_s < no.makespan_s
+
+
+def test_simulator_scales():
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(10, 2000, size=8).tolist() for _ in range(2048)]
+    plan = make_plan("least_loaded", lengths, 128, cost=LINEAR, max_num_seqs=64)
+    r = simulate(plan, lengths, 100, LINEAR, max_num_seqs=64)
+    assert r.tokens == sum(map(sum, lengths)) and r.makespan_s > 0
+
+
+# --- coordinator and workers ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("worker_model")
+    save_pretrained(tiny_model(), d)
+    return str(d)
+
+
+def _requests(n_prompts: int = 10, n: int = 4, max_tokens: int = 40) -> list[RolloutRequest]:
+    rng = np.random.default_rng(1)
+    reqs = []
+    for i in range(n_prompts):
+        prompt = rng.integers(3, 40, size=int(rng.integers(3, 10))).tolist()
+        reqs.append(RolloutRequest(prompt, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens), 1000 + i,
+                                   f"p{i}"))
+    return reqs
+
+
+def _reference(model_dir: str, reqs: list[RolloutRequest]) -> list[list[list[int]]]:
+    llm = LLM(model_dir, max_num_seqs=64, max_model_len=64)
+    params = [SamplingParams(n=r.params.n, temperature=1.0, max_tokens=r.params.max_tokens, seed=r.seed) for r in reqs]
+    return [[c.token_ids for c in o.outputs] for o in llm.generate([r.prompt_ids for r in reqs], params,
+                                                                    use_tqdm=False)]
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _specs(model_dir: str, k: int, spec=None) -> list[WorkerSpec]:
+    return [WorkerSpec(model_dir, max_num_seqs=16, max_model_len=64, speculative=spec) for _ in range(k)]
+
+
+@pytest.mark.parametrize("policy", ["even", "least_loaded", "histopipe"])
+def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
+    import torch
+
+    from rhymerl.model import load_pretrained
+
+    reqs = _requests()
+    ref = _reference(model_dir, reqs)
+    named = dict(load_pretrained(model_dir).named_parameters())
+    pool = InprocPool(_specs(model_dir, 3, {"method": "history"}))
+    pool.update_weights(named)
+    co = RolloutCoordinator(pool, policy=policy, history=HistoryStore(), max_num_seqs=16, slice_s=0.002)
+    streamed = []
+    for step in (1, 2):
+        outs = co.rollout(reqs, step, on_done=lambda i, o: streamed.append(i))
+        assert _tokens(outs) == ref
+    assert sorted(streamed) == sorted(list(range(len(reqs))) * 2)
+    assert co.stats.accepted > 0  # step 2 drafted from step 1's history, shipped to the workers
+    assert all(len(co.history.lengths(r.prompt_key)) == 4 for r in reqs)
+    del torch
+
+
+def test_migration_and_stealing_keep_the_tokens(model_dir):
+    from rhymerl.model import load_pretrained
+
+    reqs = _requests(n_prompts=6, max_tokens=48)
+    ref = _reference(model_dir, reqs)
+    pool = InprocPool(_specs(model_dir, 2))
+    pool.update_weights(dict(load_pretrained(model_dir).named_parameters()))
+    # everything predicted tiny and a steep cost curve: moving work to the idle worker always pays
+    store = HistoryStore()
+    for r in reqs:
+        store.add(r.prompt_key, r.prompt_ids, [[5]], step=0)
+    co = RolloutCoordinator(pool, policy="histopipe", history=store, cost=LINEAR, max_num_seqs=16,
+                            tail_fraction=1.0, slice_s=0.0)
+    plan = co.plan(reqs, 1)
+    plan.workers = [[u for w in plan.workers for u in w], []]  # all work on worker 0: worker 1 must take some
+    outs = co.rollout(reqs, 1, plan=plan)
+    assert _tokens(outs) == ref
+    assert co.pipe.steals > 0 and co.pipe.migrations > 0
+
+
+@pytest.mark.slow
+def test_killed_and_hung_workers_are_replaced_without_changing_tokens(model_dir):
+    from rhymerl.model import load_pretrained
+
+    reqs = _requests(n_prompts=8, max_tokens=48)
+    ref = _reference(model_dir, reqs)
+    named = dict(load_pretrained(model_dir).named_parameters())
+    pool = make_pool("local", _specs(model_dir, 2, {"method": "history"}), named)
+    try:
+        co = RolloutCoordinator(pool, policy="even", history=HistoryStore(), max_num_seqs=16, slice_s=0.01)
+        killed = []
+
+        def kill_once(h, rep):
+            if h.index == 1 and not killed and (rep.running or rep.waiting):
+                os.kill(h.proc.pid, signal.SIGKILL)
+                killed.append(h.index)
+
+        co.on_report = kill_once
+        assert _tokens(co.rollout(reqs, 1)) == ref
+        assert killed and co.pipe.lost_workers == 1 and co.pipe.rerun_samples > 0
+        assert len(pool.alive()) == 1
+    finally:
+        pool.close()
+    # a worker that stops answering is treated the same after worker_timeout_s
+    pool = make_pool("local", _specs(model_dir, 2), named)
+    try:
+        co = RolloutCoordinator(pool, policy="even", max_num_seqs=16, slice_s=0.01, worker_timeout_s=3.0)
+        stopped = []
+
+        def hang_once(h, rep):
+            if h.index == 0 and not stopped and (rep.running or rep.waiting):
+                os.kill(h.proc.pid, signal.SIGSTOP)
+                stopped.append(h.index)
+
+        co.on_report = hang_once
+        assert _tokens(co.rollout(reqs, 1)) == ref
+        assert co.pipe.lost_workers == 1
+    finally:
+        pool.close()
