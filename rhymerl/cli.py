@@ -60,6 +60,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from rhymerl.bench.e2e import run
 
         run(ns.json, quick=ns.quick)
+    elif ns.which == "pipe":
+        from rhymerl.bench.pipe import run
+
+        run(ns.json, quick=ns.quick, traces=ns.traces)
     else:
         raise SystemExit(f"unknown benchmark {ns.which!r}")
     return 0
@@ -84,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("args", nargs="*")
     s.set_defaults(fn=cmd_sft)
     b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run")
-    b.add_argument("which", choices=["engine", "spec", "e2e"])
+    b.add_argument("which", choices=["engine", "spec", "e2e", "pipe"])
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
     b.add_argument("--prompts", type=int, help="spec: how many prompts (default 64)")
+    b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")
     e.add_argument("run_dir")

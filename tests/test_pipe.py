@@ -141,8 +141,6 @@ def _specs(model_dir: str, k: int, spec=None) -> list[WorkerSpec]:
 
 @pytest.mark.parametrize("policy", ["even", "least_loaded", "histopipe"])
 def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
-    import torch
-
     from rhymerl.model import load_pretrained
 
     reqs = _requests()
@@ -158,7 +156,6 @@ def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
     assert sorted(streamed) == sorted(list(range(len(reqs))) * 2)
     assert co.stats.accepted > 0  # step 2 drafted from step 1's history, shipped to the workers
     assert all(len(co.history.lengths(r.prompt_key)) == 4 for r in reqs)
-    del torch
 
 
 def test_migration_and_stealing_keep_the_tokens(model_dir):

@@ -104,6 +104,10 @@ class InprocPool(WorkerPool):
 # --- local processes ----------------------------------------------------------------------------
 def _serve(conn, spec: WorkerSpec, flat: torch.Tensor, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
     """A worker process: answer calls until told to stop or the pipe closes."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung worker is
     try:
         worker = RolloutWorker(spec)
     except BaseException:  # noqa: BLE001 - reported to the controller

@@ -21,7 +21,8 @@ from rhymerl.distribution.work import WorkerLost, WorkerReport, WorkItem
 from rhymerl.engine.llm_engine import EngineStats
 from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.scheduling import StepCost, make_plan, predict_lengths
+from rhymerl.scheduling import StepCost, make_plan
+from rhymerl.scheduling.length_predictor import predicted_samples
 from rhymerl.scheduling.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class RolloutCoordinator:
         self.stats = EngineStats()
         self.pipe = PipeStats()
         self.last_plan: Plan | None = None
+        self.busy_s: dict[int, float] = defaultdict(float)  # engine time per worker, cumulative
         self.on_report: Callable[[WorkerHandle, WorkerReport], None] | None = None  # test hook
         self._next_item = 0
 
@@ -93,13 +95,10 @@ class RolloutCoordinator:
         else:
             hist = [self.history.lengths(r.prompt_key) if self.history is not None and r.prompt_key else []
                     for r in requests]
-            pred = predict_lengths(hist, self.length_stat)
-            lengths = [[float(p)] * k for p, k in zip(pred, n)]
+            lengths = predicted_samples(hist, n, self.length_stat)
         plan = make_plan(policy, lengths, len(alive), cost=self.cost, max_num_seqs=self.max_num_seqs, step=step,
                          complementary=self.complementary, migrate=self.migrate,
                          prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0)
-        if policy in ("histopipe", "oracle"):
-            plan.predicted = np.array([x[0] if x else 0.0 for x in lengths])
         return plan
 
     # --- one step ----------------------------------------------------------------------------
@@ -150,9 +149,10 @@ class RolloutCoordinator:
         def absorb(h: WorkerHandle, rep: WorkerReport) -> None:
             nonlocal done_samples
             st = self.stats
-            for k in ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s"):
+            for k in ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s"):
                 setattr(st, k, getattr(st, k) + rep.stats[k])
             st.batch_sizes.extend(rep.stats["batch_sizes"])
+            self.busy_s[h.index] += rep.stats["step_s"]
             for it in rep.finished:
                 p = item_prompt.pop(it.item_id)
                 if it.error is not None:

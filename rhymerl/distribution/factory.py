@@ -41,7 +41,7 @@ def profile_cost(model_path: str | Path, cfg: RunConfig, threads: int) -> StepCo
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        top = min(cfg.rollout.max_num_seqs, 128)
+        top = min(cfg.rollout.max_num_seqs, 256)
         batches = tuple(sorted({1, max(1, top // 8), max(1, top // 2), top}))
         dev = "cpu" if not torch.cuda.is_available() else "cuda"
         return StepCost.profile(str(model_path), batches=batches, device=dev, name="profiled worker")

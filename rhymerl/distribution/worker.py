@@ -8,7 +8,7 @@ import torch
 
 from rhymerl.distribution.work import ItemResult, WorkerReport, WorkerSpec, WorkItem
 
-_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s")
+_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s")
 
 
 class RolloutWorker:
@@ -32,6 +32,7 @@ class RolloutWorker:
         self._rid_item: dict[int, int] = {}
         self._item_rid: dict[int, int] = {}
         self._step: int | None = None
+        self._done: list[ItemResult] = []  # finished by an abort, reported with the next advance
         self._batch_mark = 0
         self._mark = self._counters()
 
@@ -53,7 +54,7 @@ class RolloutWorker:
 
     def advance(self, items: list[WorkItem], step: int, seconds: float) -> WorkerReport:
         """Queue ``items``, then run engine steps for about ``seconds`` (at least one step)."""
-        finished: list[ItemResult] = []
+        finished, self._done = [r for r in self._done if r.outputs], []
         if step != self._step:
             self._step = step
             if self.engine.proposer is not None and hasattr(self.engine.proposer, "begin"):
@@ -83,9 +84,9 @@ class RolloutWorker:
         if rid is None:
             return None
         got = self.engine.abort(rid, sample)
-        if got is not None and not self.engine.requests[rid].outputs:
-            self.engine.pop_request(rid)
-            del self._item_rid[item_id], self._rid_item[rid]
+        if got is not None and self.engine.requests[rid].finished:
+            # Its other samples had all finished: nothing will step it again, so report it now.
+            self._done.append(self._pop(rid))
         return got
 
     def _pop(self, rid: int) -> ItemResult:

@@ -80,11 +80,11 @@ class StepCost:
 
     @classmethod
     def profile(cls, model, *, batches: tuple[int, ...] = (1, 4, 16, 64, 128), tokens: int = 24,
-                prompt_len: int = 16, device: str = "cpu", name: str = "profiled") -> "StepCost":
+                prompt_len: int = 40, device: str = "cpu", name: str = "profiled") -> "StepCost":
         """Measure a plain (no speculation) engine on ``model`` at each batch size.
 
         Times whole ``generate`` calls of ``tokens`` forced tokens (EOS ignored) and divides by
-        the decode steps; the prefill cost per token comes from one long prompt.
+        the decode steps; the prefill cost per token comes from a batch of prompts.
         """
         from rhymerl.engine import LLM, SamplingParams
 
@@ -93,24 +93,23 @@ class StepCost:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(max(batches))]
         sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # the prefill alone
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
+
+        def best_of(batch: list, params: SamplingParams, reps: int = 2) -> float:
+            best = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                llm.generate(batch, params, use_tqdm=False)
+                best = min(best, time.perf_counter() - t)
+            return best
+
         secs = []
         for B in batches:
-            best = float("inf")
-            for _ in range(2):
-                st = llm.engine.stats
-                f0, s0 = st.forwards, st.step_s
-                t = time.perf_counter()
-                llm.generate(prompts[:B], sp, use_tqdm=False)
-                wall = time.perf_counter() - t
-                best = min(best, wall / max(1, st.forwards - f0))
-            secs.append(best)
-        long_prompt = rng.integers(3, vocab, size=min(200, llm.engine.max_model_len - 2)).tolist()
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        t = time.perf_counter()
-        for _ in range(3):
-            llm.generate([long_prompt], one, use_tqdm=False)
-        prefill = (time.perf_counter() - t) / 3 / len(long_prompt)
+            # decode steps only: the same batch with and without its tokens after the first
+            secs.append(max(1e-6, (best_of(prompts[:B], sp) - best_of(prompts[:B], one)) / (tokens - 1)))
+        group = prompts[: min(32, len(prompts))]  # prefill as the engine runs it: a batch of prompts
+        prefill = best_of(group, one, 3) / (len(group) * prompt_len)
         return cls(tuple(batches), tuple(secs), prefill, name)
 
 

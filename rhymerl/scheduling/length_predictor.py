@@ -30,6 +30,24 @@ def predict_lengths(history: list[list[int]], stat: str = "mean") -> np.ndarray:
     return pred
 
 
+def predicted_samples(history: list[list[int]], n: list[int], stat: str = "mean") -> list[list[float]]:
+    """Per prompt, ``n[i]`` predicted sample lengths: the prompt's previous lengths as a
+    distribution (n evenly spaced quantiles, so both the total and the longest are
+    predicted), re-centred on ``stat``; a prompt without history gets ``n`` copies of the
+    batch's median prediction."""
+    point = predict_lengths(history, stat)
+    out = []
+    for h, k, p in zip(history, n, point):
+        if len(h):
+            a = np.asarray(h, dtype=np.float64)
+            q = np.quantile(a, (np.arange(k) + 0.5) / k)
+            base = STATS[stat](a)
+            out.append((q * (p / base) if base > 0 else q).tolist())
+        else:
+            out.append([float(p)] * k)
+    return out
+
+
 def spearman(a: np.ndarray | list[float], b: np.ndarray | list[float]) -> float:
     """Spearman rank correlation (average ranks for ties)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)

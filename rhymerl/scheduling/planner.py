@@ -55,39 +55,45 @@ def _merge(units: list[tuple[int, int]]) -> list[WorkUnit]:
 
 
 def estimate_s(lengths_sum: float, longest: float, count: int, cost: StepCost, max_num_seqs: int,
-               prefill_tokens_per_sample: float = 0.0) -> float:
+               prefill_tokens: float = 0.0) -> float:
     """Time for one worker to decode ``count`` samples of total ``lengths_sum`` tokens.
 
     With a cost line ``base + per_seq * B``: every token costs ``per_seq`` once, and the step
     overhead is paid once per step, i.e. for the longest sample, or for the total divided by
-    the slots when the samples outnumber them. Prefill: samples admitted together share it,
-    but once slots run out they are admitted one by one, each with its own.
+    the slots when the samples outnumber them. Plus ``prefill_tokens`` of prefill.
     """
     if count == 0:
         return 0.0
     steps = longest if count <= max_num_seqs else max(longest, lengths_sum / max_num_seqs)
-    prefills = prefill_tokens_per_sample * (count if count > max_num_seqs else 1)
-    return cost.base_s * steps + cost.per_seq_s * lengths_sum + cost.prefill_per_token_s * prefills
+    return cost.base_s * steps + cost.per_seq_s * lengths_sum + cost.prefill_per_token_s * prefill_tokens
 
 
-def _partition(lengths: np.ndarray, R: int, cost: StepCost, max_num_seqs: int, prompt_len: float) -> list[int]:
-    """Cut ``lengths`` (ranked, longest first) into at most R contiguous groups minimising the
-    largest estimated group time; returns the group start indices."""
+def _partition(lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost, max_num_seqs: int,
+               prompt_len: float) -> list[int]:
+    """Cut ``lengths`` (ranked, siblings adjacent, ``prompts[i]`` the prompt of unit i) into at
+    most R contiguous groups minimising the largest estimated group time; returns the starts."""
+
+    def est(total: float, longest: float, count: int, n_prompts: int) -> float:
+        # samples of a prompt admitted together share a prefill; once slots run out they are
+        # admitted one by one, each with its own
+        prefill = prompt_len * (n_prompts if count <= max_num_seqs else count)
+        return estimate_s(total, longest, count, cost, max_num_seqs, prefill)
 
     def cut(budget: float) -> list[int] | None:
-        starts, total, longest, count = [0], 0.0, 0.0, 0
+        starts, total, longest, count, n_p = [0], 0.0, 0.0, 0, 0
         for i, x in enumerate(lengths):
-            t, lg = total + x, max(longest, x)
-            if count and estimate_s(t, lg, count + 1, cost, max_num_seqs, prompt_len) > budget:
+            new_p = i == 0 or prompts[i] != prompts[i - 1]
+            t, lg, c, q = total + x, max(longest, x), count + 1, n_p + new_p
+            if count and est(t, lg, c, q) > budget:
                 starts.append(i)
                 if len(starts) > R:
                     return None
-                t, lg, count = x, x, 0
-            total, longest, count = t, lg, count + 1
+                t, lg, c, q = x, x, 1, 1
+            total, longest, count, n_p = t, lg, c, q
         return starts
 
-    lo = max(estimate_s(x, x, 1, cost, max_num_seqs, prompt_len) for x in lengths)
-    hi = estimate_s(float(lengths.sum()), float(lengths.max()), len(lengths), cost, max_num_seqs, prompt_len)
+    lo = max(est(x, x, 1, 1) for x in lengths)
+    hi = est(float(lengths.sum()), float(lengths.max()), len(lengths), len(set(prompts.tolist())))
     best = cut(hi) or [0]
     for _ in range(50):
         if hi - lo <= 1e-6 * hi:
@@ -109,8 +115,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     Args:
         policy: one of :data:`POLICIES`.
         lengths: per prompt, per sample: the lengths the policy may use. ``histopipe`` gets
-            predictions (equal within a prompt), ``oracle`` the true lengths; ``even`` and
-            ``least_loaded`` only use the shape.
+            predictions (the prompt's previous lengths, as a distribution of n values),
+            ``oracle`` the true lengths; ``even`` and ``least_loaded`` only use the shape.
         num_workers: R.
         cost: the workers' step-time curve (allocation uses it).
         max_num_seqs: slots per worker.
@@ -140,13 +146,18 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         return Plan(policy, [_merge(w) for w in work])
     units = [(p, s) for p in range(P) for s in range(len(lens[p]))]
     flat = np.array([lens[p][s] for p, s in units], dtype=np.float64)
-    order = np.argsort(-flat, kind="stable")  # stable: siblings with equal predictions stay together
+    # Rank prompts by their mean (predicted or true) length, samples longest first within a
+    # prompt: siblings stay adjacent, so a cut rarely splits a prompt (they share a prefill).
+    mean = np.array([np.mean(lens[p]) if lens[p] else 0.0 for p, _ in units])
+    order = np.lexsort((-flat, np.array([p for p, _ in units]), -mean))
     ranked = flat[order]
-    starts = _partition(ranked, R, cost, max_num_seqs, prompt_len) if len(ranked) else [0]
+    prompt_of = np.array([units[i][0] for i in order])
+    starts = _partition(ranked, prompt_of, R, cost, max_num_seqs, prompt_len) if len(ranked) else [0]
     bounds = starts + [len(ranked)]
     groups = [[units[i] for i in order[bounds[g]:bounds[g + 1]]] for g in range(len(starts))]
     groups += [[] for _ in range(R - len(groups))]
     if complementary and step % 2 == 0:
         groups = groups[::-1]
-    predicted = np.array([np.mean(x) if x else 0.0 for x in lens])
+    # what "past its prediction" means at run time: the longest length the plan expected
+    predicted = np.array([max(x) if x else 0.0 for x in lens])
     return Plan(policy, [_merge(g) for g in groups], migrate=migrate and policy == "histopipe", predicted=predicted)

@@ -194,11 +194,12 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
                 if took:
                     admit(ws[wi])
                     schedule(wi)
+                elif waiting == 0:
+                    # nothing to take now, and the candidates are the same for every idle worker
+                    still += idle[k:]
+                    break
                 else:
                     still.append(wi)
-                    if waiting == 0 and unfinished > tail_fraction * total:
-                        still += idle[k + 1:]
-                        break
             idle = still
         if not events:
             break

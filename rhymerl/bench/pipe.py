@@ -1,0 +1,240 @@
+"""``rhymerl bench pipe``: HistoPipe against even split, least-loaded routing and an oracle.
+
+Two tables from one invocation:
+
+- measured: real rollout steps of the built-in task on 2 and 4 local worker processes
+  (speculation off, so scheduling is measured alone), every policy on the same prompts,
+  seeds and weights (so the same tokens), with the simulator's prediction of each run;
+- simulated: the discrete-event simulator at 256 and 1,024 workers (16 prompts x 16 samples
+  per worker), on our recorded length traces and on synthetic long-tailed ones, with the
+  worker cost curve profiled here and with a GPU-shaped one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rhymerl.bench.common import print_table, write_report
+from rhymerl.scheduling import GPU_8B_H100, POLICIES, StepCost, make_plan, simulate, spearman
+from rhymerl.scheduling.length_predictor import predicted_samples
+
+N_SAMPLES = 8  # the default recipe's group size
+TRACE_SCALE_GPU = 64  # recorded arith lengths (tens of tokens) scaled to reasoning lengths for the GPU model
+
+
+# --- traces --------------------------------------------------------------------------------------
+def trace_pairs(path: Path) -> list[tuple[list[int], list[int]]]:
+    """(previous epoch's lengths, this epoch's lengths) for every prompt seen twice in a run's traces."""
+    last: dict[str, list[int]] = {}
+    pairs = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        for key, lens in zip(rec["keys"], rec["lengths"]):
+            if key in last:
+                pairs.append((last[key], lens))
+            last[key] = lens
+    return pairs
+
+
+def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
+    """Per prompt a typical length; each epoch's n samples scatter around it (and the typical
+    length drifts a little between epochs, as the policy changes)."""
+    if kind == "lognormal":
+        typical = rng.lognormal(np.log(1500), 0.8, size=count)
+        spread = 0.35
+    elif kind == "heavy_tail":  # math reasoning: most answers short, a Pareto tail of very long ones
+        typical = 600 * (1 + rng.pareto(1.3, size=count))
+        spread = 0.5
+    else:
+        raise ValueError(kind)
+    drift = rng.lognormal(0, 0.15, size=count)
+
+    def draw(t: np.ndarray) -> list[list[int]]:
+        x = rng.lognormal(np.log(t)[:, None], spread, size=(count, n))
+        return np.clip(x, 16, 32768).astype(int).tolist()
+
+    prev, cur = draw(typical), draw(typical * drift)
+    return list(zip(prev, cur))
+
+
+def scaled_workload(pairs: list[tuple[list[int], list[int]]], prompts: int, n: int, scale: float,
+                    rng: np.random.Generator) -> tuple[list[list[int]], np.ndarray]:
+    """``prompts`` prompts of ``n`` samples resampled from trace pairs: true lengths and predictions."""
+    idx = rng.integers(0, len(pairs), size=prompts)
+    true, prev = [], []
+    for i in idx:
+        p, c = pairs[i]
+        true.append((np.maximum(1, np.array(c)[rng.integers(0, len(c), size=n)] * scale)).astype(int).tolist())
+        prev.append([x * scale for x in p])
+    return true, prev
+
+
+def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float]], worker_counts: list[int],
+                   n: int = 16, per_worker_prompts: int = 16) -> list[dict[str, Any]]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for source, (pairs, scale, cost, prompt_len) in pairs_by_source.items():
+        for R in worker_counts:
+            true, prev = scaled_workload(pairs, R * per_worker_prompts, n, scale, rng)
+            guess = predicted_samples(prev, [n] * len(prev))
+            res = {}
+            for policy in POLICIES:
+                t = time.perf_counter()
+                plan = make_plan(policy, true if policy == "oracle" else guess, R, cost=cost, max_num_seqs=256,
+                                 prompt_len=prompt_len)
+                r = simulate(plan, true, int(prompt_len), cost, max_num_seqs=256)
+                res[policy] = r
+                rows.append({"source": "simulated", "trace": source, "cost": cost.name, "workers": R,
+                             "prompts": len(true), "samples": n, "policy": policy, "makespan_s": r.makespan_s,
+                             "bubble_fraction": r.bubble_fraction, "tok_s": r.tokens_per_s,
+                             "migrations": r.migrations, "steals": r.steals,
+                             "sim_wall_s": time.perf_counter() - t})
+            for row in rows[-len(POLICIES):]:
+                row["vs_even"] = res["even"].makespan_s / row["makespan_s"]
+                row["vs_oracle"] = row["makespan_s"] / res["oracle"].makespan_s
+            print(f"  simulated {source:>12} R={R:5d}: " + ", ".join(
+                f"{p} {res[p].makespan_s:.1f}s/{res[p].bubble_fraction:.2f}" for p in POLICIES), flush=True)
+    return rows
+
+
+# --- measured --------------------------------------------------------------------------------------
+def measured_rows(model: str, worker_counts: list[int], prompts: int, reps: int) -> tuple[list[dict], list]:
+    from rhymerl.config import load_config
+    from rhymerl.data.splits import task_splits
+    from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
+    from rhymerl.drafting import HistoryStore
+    from rhymerl.engine import SamplingParams
+    from rhymerl.model import load_pretrained
+    from rhymerl.tokenizer import encode_prompt, load_tokenizer
+    from rhymerl.training.rl import rollout_seed
+
+    cfg = load_config()
+    tok = load_tokenizer(model)
+    rows_data = task_splits(cfg.data, cfg.seed)[0][:prompts]
+    r = cfg.rollout
+
+    def requests(step: int) -> list:
+        return [RolloutRequest(encode_prompt(tok, row.prompt),
+                               SamplingParams(n=N_SAMPLES, temperature=r.temperature, max_tokens=r.max_tokens),
+                               rollout_seed(cfg.seed, step, row.key), row.key) for row in rows_data]
+
+    named = dict(load_pretrained(model).named_parameters())
+    cores = os.cpu_count() or 1
+    store = HistoryStore()
+    out_rows: list[dict] = []
+    pairs: list = []
+    # epoch 1 in one in-process worker gives the history HistoPipe predicts from
+    pool = make_pool("local", [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=0)], named)
+    RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256).rollout(requests(1), 1)
+    pool.close()
+    reqs = requests(2)
+    for R in worker_counts:
+        threads = max(1, cores // R)
+        from rhymerl.distribution.factory import profile_cost
+
+        cfg.rollout.max_num_seqs = 256
+        cost = profile_cost(model, cfg, threads)
+        share = max(1.0, R * threads / cores)  # more worker threads than cores: each runs that much slower
+        sim_cost = cost.scaled(share, f"profiled here ({threads} thread{'s' if threads > 1 else ''}/worker)")
+        specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
+                 for i in range(R)]
+        pool = make_pool("local", specs, named)
+        co = RolloutCoordinator(pool, history=store, cost=sim_cost, max_num_seqs=256, slice_s=0.02)
+        co.history = None  # step 2 must not leak into the predictions of the next policy
+        co.rollout(requests(0)[: 4 * R], 0, plan=co.plan(requests(0)[: 4 * R], 0, policy="even"))  # warm-up
+        truth = None
+        results: dict[str, dict] = {}
+        for policy in ("even", "least_loaded", "histopipe", "oracle"):
+            co.history = store
+            plan = co.plan(reqs, 2, policy=policy, true_lengths=truth)
+            co.history = None
+            times, busy, tokens = [], [], None
+            for _ in range(reps):
+                b0 = dict(co.busy_s)
+                m0 = co.pipe.migrations + co.pipe.steals
+                t = time.perf_counter()
+                outs = co.rollout(reqs, 2, plan=plan)
+                times.append(time.perf_counter() - t)
+                busy.append(sum(co.busy_s[k] - b0.get(k, 0.0) for k in co.busy_s))
+                moved = co.pipe.migrations + co.pipe.steals - m0
+                toks = [[c.token_ids for c in o.outputs] for o in outs]
+                assert tokens is None or toks == tokens, "the same seeds gave other tokens"
+                tokens = toks
+            if truth is None:
+                truth = [[len(t) for t in o] for o in tokens]
+                pairs = [(store.lengths(row.key), lens) for row, lens in zip(rows_data, truth)]
+            k = int(np.argmin(times))
+            sim = simulate(plan, truth, [len(q.prompt_ids) for q in reqs], sim_cost, max_num_seqs=256)
+            results[policy] = {"makespan_s": times[k], "bubble_fraction": max(0.0, 1 - busy[k] / (R * times[k])),
+                               "simulated_s": sim.makespan_s, "moved": moved, "tokens": sum(map(sum, truth))}
+        pool.close()
+        for policy, res in results.items():
+            out_rows.append({"source": "measured", "trace": "arith", "cost": sim_cost.name, "workers": R,
+                             "prompts": len(reqs), "samples": N_SAMPLES, "policy": policy,
+                             "makespan_s": res["makespan_s"], "bubble_fraction": res["bubble_fraction"],
+                             "tok_s": res["tokens"] / res["makespan_s"], "moved": res["moved"],
+                             "vs_even": results["even"]["makespan_s"] / res["makespan_s"],
+                             "simulated_s": res["simulated_s"],
+                             "sim_error": res["simulated_s"] / res["makespan_s"] - 1})
+        print(f"  measured R={R}: " + ", ".join(f"{p} {results[p]['makespan_s']:.2f}s (sim {results[p]['simulated_s']:.2f}s)"
+                                                 for p in results), flush=True)
+    return out_rows, pairs
+
+
+def run(json_path: str | None = None, *, quick: bool = False, traces: str | None = None) -> dict:
+    from rhymerl.bench.spec import _default_model
+
+    model = _default_model()
+    print(f"model: {model}")
+    print("measured: local worker processes, speculation off, same prompts/seeds/weights for every policy")
+    rows, bench_pairs = measured_rows(model, [2] if quick else [2, 4], prompts=48 if quick else 96,
+                                      reps=1 if quick else 2)
+    trace_path = Path(traces) if traces else None
+    if trace_path is None:
+        from rhymerl.config import load_config
+        from rhymerl.training.rl import run_dir_for
+
+        cand = run_dir_for(load_config()) / "traces.jsonl"
+        trace_path = cand if cand.exists() else None
+    pairs = trace_pairs(trace_path) if trace_path is not None else []
+    source = f"recorded ({trace_path})" if pairs else "this bench's two epochs"
+    if not pairs:
+        pairs = bench_pairs
+    corr = spearman([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
+    print(f"length traces: {source}: {len(pairs)} (previous, next) epoch pairs; rank correlation of the "
+          f"predicted (previous mean) and true mean length per prompt: {corr:.3f}")
+    from rhymerl.config import load_config
+    from rhymerl.distribution.factory import profile_cost
+
+    cfg = load_config()
+    cfg.rollout.max_num_seqs = 256
+    cpu = profile_cost(model, cfg, 1)
+    cpu = StepCost(cpu.batch, cpu.seconds, cpu.prefill_per_token_s, "profiled here (1 thread/worker)")
+    rng = np.random.default_rng(1)
+    arith_prompt = 40.0  # tokens, about the built-in task's chat prompts
+    sources = {
+        "arith_trace": (pairs, 1.0, cpu, arith_prompt),
+        "arith_trace_x64": (pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0),
+        "lognormal": (synthetic_pairs("lognormal", 4096, 16, rng), 1.0, GPU_8B_H100, 256.0),
+        "heavy_tail": (synthetic_pairs("heavy_tail", 4096, 16, rng), 1.0, GPU_8B_H100, 256.0),
+    }
+    print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
+    rows += simulated_rows(sources, [256] if quick else [256, 1024])
+    print()
+    print_table(rows, ["source", "trace", "workers", "policy", "makespan_s", "bubble_fraction", "vs_even",
+                       "vs_oracle", "simulated_s", "sim_error", "moved", "migrations", "steals"])
+    report = write_report(rows, json_path)
+    report["length_rank_correlation"] = corr
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+__all__ = ["run", "trace_pairs", "synthetic_pairs", "simulated_rows", "measured_rows"]
