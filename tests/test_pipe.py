@@ -72,6 +72,19 @@ def test_histopipe_balances_predicted_work_and_alternates_order():
         assert firsts == sorted(firsts, reverse=True)
 
 
+@pytest.mark.parametrize("R", [1, 3, 7, 64])
+def test_every_plan_places_every_sample_once(R):
+    rng = np.random.default_rng(R)
+    for cost in (FLAT, LINEAR):
+        for step in (1, 2):
+            lengths = [rng.integers(1, 60, size=int(rng.integers(1, 6))).astype(float).tolist() for _ in range(23)]
+            want = [(p, s) for p in range(23) for s in range(len(lengths[p]))]
+            for policy in ("even", "least_loaded", "histopipe", "oracle"):
+                plan = make_plan(policy, lengths, R, cost=cost, max_num_seqs=8, step=step, prompt_len=5)
+                assert len(plan.workers) == R
+                assert sorted((u.prompt, s) for w in plan.workers for u in w for s in u.samples) == want, policy
+
+
 # --- simulator --------------------------------------------------------------------------------
 def test_simulator_matches_hand_computation():
     # one worker, 1 s per step: samples of 3 and 5 tokens run together -> 5 steps

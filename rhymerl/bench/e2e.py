@@ -17,7 +17,7 @@ import numpy as np
 from rhymerl.bench.common import print_table, write_report
 from rhymerl.training.metrics import read_metrics
 
-SPEED = ("timing_s/", "perf/", "spec/")
+SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 
 
 def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
@@ -31,14 +31,19 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     common = [f"model.path={base}", f"trainer.steps={steps}", "data.num_train=64", "trainer.batch_prompts=16",
               "rollout.n=8", "trainer.save_every=1000", f"trainer.eval_every={steps}", *(extra or [])]
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
-    variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"]}
+    variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
+                # two local worker processes (one core each): scheduling off (even split) and on
+                "histospec+even2": ["rollout.speculative.method=history", "rollout.workers=2",
+                                    "rollout.schedule=even"],
+                "histospec+histopipe": ["rollout.speculative.method=history", "rollout.workers=2",
+                                        "rollout.schedule=histopipe"]}
     results: dict[str, list[dict]] = {}
     for name, ov in variants.items():
         run_dir = tmp / name
         train(load_config(None, common + ov + [f"trainer.output_dir={run_dir}"]), progress=False)
         results[name] = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
     learn = {k: [{m: v for m, v in r.items() if not m.startswith(SPEED)} for r in rows] for k, rows in results.items()}
-    same = learn["baseline"] == learn["histospec"]
+    same = all(v == learn["baseline"] for v in learn.values())
     rows_out = []
     skip = min(2, steps - 1)  # the first epochs have no history yet; report them apart
     for name, rows in results.items():

@@ -2,9 +2,10 @@
 
 Two tables from one invocation:
 
-- measured: real rollout steps of the built-in task on 2 and 4 local worker processes
-  (speculation off, so scheduling is measured alone), every policy on the same prompts,
-  seeds and weights (so the same tokens), with the simulator's prediction of each run;
+- measured: real rollout steps of the built-in task (the main job's 32 prompts x 8 samples)
+  on 2 and 4 local worker processes (speculation off, so scheduling is measured alone),
+  every policy on the same prompts, seeds and weights (so the same tokens, checked), with
+  the simulator's prediction of each step;
 - simulated: the discrete-event simulator at 256 and 1,024 workers (16 prompts x 16 samples
   per worker), on our recorded length traces and on synthetic long-tailed ones, with the
   worker cost curve profiled here and with a GPU-shaped one.
@@ -105,10 +106,13 @@ def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float
 
 
 # --- measured --------------------------------------------------------------------------------------
-def measured_rows(model: str, worker_counts: list[int], prompts: int, reps: int) -> tuple[list[dict], list]:
+def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, reps: int) -> tuple[list[dict], list]:
+    """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
+    step) per policy, after an epoch that gave every prompt a history."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
+    from rhymerl.distribution.factory import profile_cost
     from rhymerl.drafting import HistoryStore
     from rhymerl.engine import SamplingParams
     from rhymerl.model import load_pretrained
@@ -117,74 +121,82 @@ def measured_rows(model: str, worker_counts: list[int], prompts: int, reps: int)
 
     cfg = load_config()
     tok = load_tokenizer(model)
-    rows_data = task_splits(cfg.data, cfg.seed)[0][:prompts]
+    rows_data = task_splits(cfg.data, cfg.seed)[0][: steps * batch]
     r = cfg.rollout
 
-    def requests(step: int) -> list:
+    def requests(rows: list, step: int) -> list:
         return [RolloutRequest(encode_prompt(tok, row.prompt),
                                SamplingParams(n=N_SAMPLES, temperature=r.temperature, max_tokens=r.max_tokens),
-                               rollout_seed(cfg.seed, step, row.key), row.key) for row in rows_data]
+                               rollout_seed(cfg.seed, step, row.key), row.key) for row in rows]
 
     named = dict(load_pretrained(model).named_parameters())
     cores = os.cpu_count() or 1
     store = HistoryStore()
+    # epoch 1 (in one in-process worker) gives every prompt the history HistoPipe predicts from
+    pool = make_pool("local", [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=0)], named)
+    RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256).rollout(requests(rows_data, 1), 1)
+    pool.close()
+    batches = [requests(rows_data[i * batch:(i + 1) * batch], 2 + i) for i in range(steps)]
     out_rows: list[dict] = []
     pairs: list = []
-    # epoch 1 in one in-process worker gives the history HistoPipe predicts from
-    pool = make_pool("local", [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=0)], named)
-    RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256).rollout(requests(1), 1)
-    pool.close()
-    reqs = requests(2)
+    truth: list[list[list[int]]] = []
     for R in worker_counts:
         threads = max(1, cores // R)
-        from rhymerl.distribution.factory import profile_cost
-
         cfg.rollout.max_num_seqs = 256
-        cost = profile_cost(model, cfg, threads)
         share = max(1.0, R * threads / cores)  # more worker threads than cores: each runs that much slower
-        sim_cost = cost.scaled(share, f"profiled here ({threads} thread{'s' if threads > 1 else ''}/worker)")
+        sim_cost = profile_cost(model, cfg, threads).scaled(
+            share, f"profiled here ({threads} thread{'s' if threads > 1 else ''}/worker)")
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
                  for i in range(R)]
         pool = make_pool("local", specs, named)
         co = RolloutCoordinator(pool, history=store, cost=sim_cost, max_num_seqs=256, slice_s=0.02)
-        co.history = None  # step 2 must not leak into the predictions of the next policy
-        co.rollout(requests(0)[: 4 * R], 0, plan=co.plan(requests(0)[: 4 * R], 0, policy="even"))  # warm-up
-        truth = None
+        warm = requests(rows_data[: 4 * R], 0)
+        co.history = None  # epoch 2 must not leak into the next policy's predictions
+        co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
         results: dict[str, dict] = {}
         for policy in ("even", "least_loaded", "histopipe", "oracle"):
-            co.history = store
-            plan = co.plan(reqs, 2, policy=policy, true_lengths=truth)
-            co.history = None
-            times, busy, tokens = [], [], None
-            for _ in range(reps):
-                b0 = dict(co.busy_s)
-                m0 = co.pipe.migrations + co.pipe.steals
-                t = time.perf_counter()
-                outs = co.rollout(reqs, 2, plan=plan)
-                times.append(time.perf_counter() - t)
-                busy.append(sum(co.busy_s[k] - b0.get(k, 0.0) for k in co.busy_s))
-                moved = co.pipe.migrations + co.pipe.steals - m0
-                toks = [[c.token_ids for c in o.outputs] for o in outs]
-                assert tokens is None or toks == tokens, "the same seeds gave other tokens"
-                tokens = toks
-            if truth is None:
-                truth = [[len(t) for t in o] for o in tokens]
-                pairs = [(store.lengths(row.key), lens) for row, lens in zip(rows_data, truth)]
-            k = int(np.argmin(times))
-            sim = simulate(plan, truth, [len(q.prompt_ids) for q in reqs], sim_cost, max_num_seqs=256)
-            results[policy] = {"makespan_s": times[k], "bubble_fraction": max(0.0, 1 - busy[k] / (R * times[k])),
-                               "simulated_s": sim.makespan_s, "moved": moved, "tokens": sum(map(sum, truth))}
+            total = sim_total = busy_total = 0.0
+            moved = 0
+            for i, reqs in enumerate(batches):
+                co.history = store
+                plan = co.plan(reqs, 2 + i, policy=policy, true_lengths=truth[i] if truth[i:] else None)
+                co.history = None
+                best, best_busy, tokens = float("inf"), 0.0, None
+                for _ in range(reps):
+                    b0 = sum(co.busy_s.values())
+                    m0 = co.pipe.migrations + co.pipe.steals
+                    t = time.perf_counter()
+                    outs = co.rollout(reqs, 2 + i, plan=plan)
+                    dt = time.perf_counter() - t
+                    if dt < best:
+                        best, best_busy = dt, sum(co.busy_s.values()) - b0
+                    moved += co.pipe.migrations + co.pipe.steals - m0
+                    toks = [[c.token_ids for c in o.outputs] for o in outs]
+                    assert tokens is None or toks == tokens, "the same seeds gave other tokens"
+                    tokens = toks
+                if len(truth) <= i:
+                    truth.append([[len(t) for t in o] for o in tokens])
+                    pairs += [(store.lengths(q.prompt_key), lens) for q, lens in zip(reqs, truth[i])]
+                elif [[len(t) for t in o] for o in tokens] != truth[i]:
+                    raise AssertionError("the same seeds gave other lengths")
+                total += best
+                busy_total += best_busy
+                sim_total += simulate(plan, truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
+                                      max_num_seqs=256).makespan_s
+            results[policy] = {"step_s": total / steps, "bubble_fraction": max(0.0, 1 - busy_total / (R * total)),
+                               "simulated_s": sim_total / steps, "moved": moved // reps,
+                               "tokens": sum(sum(map(sum, t)) for t in truth) / steps}
         pool.close()
         for policy, res in results.items():
             out_rows.append({"source": "measured", "trace": "arith", "cost": sim_cost.name, "workers": R,
-                             "prompts": len(reqs), "samples": N_SAMPLES, "policy": policy,
-                             "makespan_s": res["makespan_s"], "bubble_fraction": res["bubble_fraction"],
-                             "tok_s": res["tokens"] / res["makespan_s"], "moved": res["moved"],
-                             "vs_even": results["even"]["makespan_s"] / res["makespan_s"],
-                             "simulated_s": res["simulated_s"],
-                             "sim_error": res["simulated_s"] / res["makespan_s"] - 1})
-        print(f"  measured R={R}: " + ", ".join(f"{p} {results[p]['makespan_s']:.2f}s (sim {results[p]['simulated_s']:.2f}s)"
-                                                 for p in results), flush=True)
+                             "prompts": batch, "samples": N_SAMPLES, "steps": steps, "policy": policy,
+                             "makespan_s": res["step_s"], "bubble_fraction": res["bubble_fraction"],
+                             "tok_s": res["tokens"] / res["step_s"], "moved": res["moved"],
+                             "vs_even": results["even"]["step_s"] / res["step_s"],
+                             "simulated_s": res["simulated_s"], "measured_s": res["step_s"],
+                             "sim_error": res["simulated_s"] / res["step_s"] - 1})
+        print(f"  measured R={R} (rollout s per step): " + ", ".join(
+            f"{p} {results[p]['step_s']:.3f} (sim {results[p]['simulated_s']:.3f})" for p in results), flush=True)
     return out_rows, pairs
 
 
@@ -194,7 +206,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     model = _default_model()
     print(f"model: {model}")
     print("measured: local worker processes, speculation off, same prompts/seeds/weights for every policy")
-    rows, bench_pairs = measured_rows(model, [2] if quick else [2, 4], prompts=48 if quick else 96,
+    rows, bench_pairs = measured_rows(model, [2] if quick else [2, 4], steps=3 if quick else 8, batch=32,
                                       reps=1 if quick else 2)
     trace_path = Path(traces) if traces else None
     if trace_path is None:

@@ -240,6 +240,10 @@ class RolloutCoordinator:
         for h in alive:
             kick(h)
         while any(o is None for o in outs):
+            if all(h.started_at is None for h in self.pool.alive()):  # a bookkeeping bug, never a hang
+                missing = {p: sorted(set(range(requests[p].params.n)) - set(results[p]))
+                           for p, o in enumerate(outs) if o is None}
+                raise RuntimeError(f"rollout stalled: samples {missing} are on no worker")
             for h in self.pool.wait(timeout=min(1.0, self.worker_timeout_s)):
                 try:
                     rep = h.result()

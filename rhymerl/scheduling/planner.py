@@ -107,6 +107,50 @@ def _partition(lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost,
     return best
 
 
+def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost,
+                     max_num_seqs: int, prompt_len: float) -> list[int]:
+    """While fewer groups than workers: split the group estimated slowest where its two halves
+    balance best (allocation: the longest work gets the spare workers)."""
+    if len(lengths) == 0:
+        return bounds
+    new_p = np.ones(len(lengths), dtype=bool)
+    new_p[1:] = prompts[1:] != prompts[:-1]
+
+    def est(a: int, b: int) -> float:
+        if b <= a:
+            return 0.0
+        count = b - a
+        n_p = int(new_p[a + 1:b].sum()) + 1
+        prefill = prompt_len * (n_p if count <= max_num_seqs else count)
+        return estimate_s(float(lengths[a:b].sum()), float(lengths[a:b].max()), count, cost, max_num_seqs, prefill)
+
+    bounds = list(bounds)
+    while len(bounds) - 1 < R:
+        ests = [est(bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1)]
+        g = int(np.argmax(ests))
+        a, b = bounds[g], bounds[g + 1]
+        if b - a < 2:
+            break
+        # prefix sums make every split point's estimate O(1)
+        seg = lengths[a:b]
+        csum = np.cumsum(seg)
+        cmax = np.maximum.accumulate(seg)
+        rmax = np.maximum.accumulate(seg[::-1])[::-1]
+        cnp = np.cumsum(new_p[a:b])
+        best_i, best_v = a + 1, float("inf")
+        for i in range(1, b - a):
+            left_n, right_n = i, b - a - i
+            lp = prompt_len * (cnp[i - 1] if left_n <= max_num_seqs else left_n)
+            rp_prompts = cnp[-1] - cnp[i - 1] + (0 if new_p[a + i] else 1)
+            rp = prompt_len * (rp_prompts if right_n <= max_num_seqs else right_n)
+            v = max(estimate_s(float(csum[i - 1]), float(cmax[i - 1]), left_n, cost, max_num_seqs, lp),
+                    estimate_s(float(csum[-1] - csum[i - 1]), float(rmax[i]), right_n, cost, max_num_seqs, rp))
+            if v < best_v:
+                best_i, best_v = a + i, v
+        bounds.insert(g + 1, best_i)
+    return bounds
+
+
 def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers: int, *,
               cost: StepCost, max_num_seqs: int, step: int = 1, complementary: bool = True,
               migrate: bool = True, prompt_len: float = 0.0) -> Plan:
@@ -153,8 +197,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     ranked = flat[order]
     prompt_of = np.array([units[i][0] for i in order])
     starts = _partition(ranked, prompt_of, R, cost, max_num_seqs, prompt_len) if len(ranked) else [0]
-    bounds = starts + [len(ranked)]
-    groups = [[units[i] for i in order[bounds[g]:bounds[g + 1]]] for g in range(len(starts))]
+    bounds = _use_all_workers(starts + [len(ranked)], ranked, prompt_of, R, cost, max_num_seqs, prompt_len)
+    groups = [[units[i] for i in order[bounds[g]:bounds[g + 1]]] for g in range(len(bounds) - 1)]
     groups += [[] for _ in range(R - len(groups))]
     if complementary and step % 2 == 0:
         groups = groups[::-1]
