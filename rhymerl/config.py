@@ -70,6 +70,7 @@ class SpeculativeSection:
     history_epochs: int = 1
     reward_weight: float = 0.0
     gate: bool = True
+    global_fallback: bool = True  # no long match in the prompt's own history: draft from all prompts'
 
 
 @dataclass

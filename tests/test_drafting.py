@@ -235,3 +235,25 @@ def test_gate_recovers_after_an_epoch_without_history():
         d.store.add(f"k{i}", [5, 6, 7], [[1, 2, 3, 4, 5, 6, 7, 8]], step=1)
     drafts = d.propose(seqs)
     assert all(x is not None and x.tokens[:2] == (4, 5) for x in drafts)
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_global_fallback_drafts_from_other_prompts(fallback):
+    """A prompt without history (or without a match in it) drafts from other prompts' responses."""
+    from rhymerl.drafting import DrafterConfig, HistoryDrafter
+    from rhymerl.engine.sequence import Sequence
+
+    d = HistoryDrafter(DrafterConfig(siblings=False, gate=False, global_fallback=fallback))
+    d.store.add("a", [5, 6, 7], [[11, 12, 13, 14, 15, 16]], step=1)
+    d.store.add("b", [5, 6, 7], [[20, 21, 22, 23]], step=1)
+    s = Sequence(0, 0, [8, 9], SamplingParams(max_tokens=50), seed=0, prompt_key="new")
+    s.output_ids, s.limit, s.draft_len = [11, 12, 13], 50, 4
+    (draft,) = d.propose([s])
+    if fallback:
+        assert draft is not None and draft.tokens[:3] == (14, 15, 16)
+    else:
+        assert draft is None
+    # its own history, matching as long, wins over the others'
+    d.store.add("new", [8, 9], [[11, 12, 13, 30, 31]], step=1)
+    (draft,) = d.propose([s])
+    assert draft is not None and draft.tokens[0] == 30

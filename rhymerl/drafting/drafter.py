@@ -37,6 +37,7 @@ class DrafterConfig:
     reward_weight: float = 0.0  # >0: branches of higher-reward responses weigh more
     gate: bool = True
     record: bool = True  # add finished responses to the history
+    global_fallback: bool = True  # no long match in this prompt's history or siblings: try every prompt's
 
 
 @dataclass
@@ -65,6 +66,11 @@ class HistoryDrafter:
         self._last_depth: dict[int, int] = {}
         self._build_s = 0.0
         self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
+        self._global_idx: SuffixIndex | None = None
+        self._global_seen: dict[str, int] = {}  # prompt key -> revision already in the global index
+        self._global_steps: dict[str, int] = {}  # prompt key -> newest rollout step indexed
+        self._global_version = -1
+        self._global_tokens = 0
 
     # --- engine hooks -----------------------------------------------------------------
     @property
@@ -183,6 +189,14 @@ class HistoryDrafter:
                 occ, m = occ2, m2
             elif m2 == m and m:
                 occ = occ + occ2
+        if m < cfg.pattern_max and cfg.global_fallback and cfg.use_history:
+            # Responses to other prompts share the task's phrasing; a longer match there beats
+            # a shorter one here (a tie keeps this prompt's own, more specific, continuations).
+            g = self._global_index()
+            if g is not None:
+                occ3, m3 = g.match(context, cfg.pattern_max, cfg.pattern_min)
+                if m3 > m:
+                    occ, m = occ3, m3
         if not occ:
             return None
         if cfg.tree_budget > 0:
@@ -207,6 +221,32 @@ class HistoryDrafter:
         self._indices[key] = (h.revision, idx)
         self._build_s += time.perf_counter() - t0
         return idx
+
+    def _global_index(self) -> SuffixIndex | None:
+        """One index over every stored response, appended to as prompts get new rollouts;
+        rebuilt only when evicted history makes up most of it."""
+        st = self.store
+        if self._global_version == st.version:
+            return self._global_idx
+        t0 = time.perf_counter()
+        if self._global_idx is None or self._global_tokens > 2 * st.total_tokens + 4096:
+            self._global_idx, self._global_tokens = SuffixIndex(), 0
+            self._global_seen, self._global_steps = {}, {}
+        for key, h in st.prompts.items():
+            if self._global_seen.get(key) == h.revision:
+                continue
+            newest = self._global_steps.get(key, -1)
+            for r in h.rollouts:
+                if r.step <= newest:
+                    continue
+                for resp in r.responses:
+                    self._global_idx.add(list(resp), final=True)
+                    self._global_tokens += len(resp)
+            self._global_seen[key] = h.revision
+            self._global_steps[key] = max((r.step for r in h.rollouts), default=-1)
+        self._global_version = st.version
+        self._build_s += time.perf_counter() - t0
+        return self._global_idx if len(self._global_idx) else None
 
     def _register_live(self, seqs: list[Sequence]) -> None:
         """Give new sequences a place in their live index (their tokens are indexed lazily,
@@ -248,6 +288,7 @@ class SuffixDecodingDrafter(HistoryDrafter):
     def __init__(self, store: HistoryStore, *, per_prompt: bool, cfg: DrafterConfig | None = None) -> None:
         cfg = cfg or DrafterConfig()
         cfg.record = False
+        cfg.global_fallback = False  # the peer's own sources only
         super().__init__(cfg, store)
         self.per_prompt = per_prompt
         self._global: tuple[int, SuffixIndex] | None = None
