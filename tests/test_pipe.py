@@ -191,8 +191,22 @@ def test_migration_and_stealing_keep_the_tokens(model_dir):
     assert co.pipe.steals > 0 and co.pipe.migrations > 0
 
 
+def _signal_once(index: int, sig: int, sent: list[int]):
+    """A coordinator hook that sends ``sig`` to worker ``index`` once it is mid-work."""
+
+    def hook(h, rep):
+        if h.index == index and not sent and (rep.running or rep.waiting):
+            os.kill(h.proc.pid, sig)
+            sent.append(sig)
+
+    return hook
+
+
 @pytest.mark.slow
-def test_killed_and_hung_workers_are_replaced_without_changing_tokens(model_dir):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_lost_workers_are_replaced_without_changing_tokens(model_dir, sig):
+    """A killed worker, or one that stops answering (past worker_timeout_s): its unfinished
+    samples re-run on the other worker with the same seeds, so the step's tokens are unchanged."""
     from rhymerl.model import load_pretrained
 
     reqs = _requests(n_prompts=8, max_tokens=48)
@@ -200,33 +214,13 @@ def test_killed_and_hung_workers_are_replaced_without_changing_tokens(model_dir)
     named = dict(load_pretrained(model_dir).named_parameters())
     pool = make_pool("local", _specs(model_dir, 2, {"method": "history"}), named)
     try:
-        co = RolloutCoordinator(pool, policy="even", history=HistoryStore(), max_num_seqs=16, slice_s=0.01)
-        killed = []
-
-        def kill_once(h, rep):
-            if h.index == 1 and not killed and (rep.running or rep.waiting):
-                os.kill(h.proc.pid, signal.SIGKILL)
-                killed.append(h.index)
-
-        co.on_report = kill_once
+        co = RolloutCoordinator(pool, policy="even", history=HistoryStore(), max_num_seqs=16, slice_s=0.01,
+                                worker_timeout_s=3.0)
+        sent: list[int] = []
+        co.on_report = _signal_once(1, sig, sent)
         assert _tokens(co.rollout(reqs, 1)) == ref
-        assert killed and co.pipe.lost_workers == 1 and co.pipe.rerun_samples > 0
-        assert len(pool.alive()) == 1
-    finally:
-        pool.close()
-    # a worker that stops answering is treated the same after worker_timeout_s
-    pool = make_pool("local", _specs(model_dir, 2), named)
-    try:
-        co = RolloutCoordinator(pool, policy="even", max_num_seqs=16, slice_s=0.01, worker_timeout_s=3.0)
-        stopped = []
-
-        def hang_once(h, rep):
-            if h.index == 0 and not stopped and (rep.running or rep.waiting):
-                os.kill(h.proc.pid, signal.SIGSTOP)
-                stopped.append(h.index)
-
-        co.on_report = hang_once
-        assert _tokens(co.rollout(reqs, 1)) == ref
-        assert co.pipe.lost_workers == 1
+        assert sent and co.pipe.lost_workers == 1 and co.pipe.rerun_samples > 0
+        assert [h.index for h in pool.alive()] == [0]
+        assert _tokens(co.rollout(reqs, 1)) == ref  # the next step runs on the survivor
     finally:
         pool.close()
