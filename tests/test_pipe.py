@@ -59,6 +59,7 @@ def test_histopipe_balances_predicted_work_and_alternates_order():
     even = make_plan("even", lengths, 4, cost=LINEAR, max_num_seqs=64)
     hp = make_plan("histopipe", lengths, 4, cost=LINEAR, max_num_seqs=64, step=1)
     assert worst(hp) < 0.8 * worst(even)
+    assert worst(make_plan("histopipe", lengths, 4, cost=LINEAR, max_num_seqs=64, placement="lpt")) < 0.8 * worst(even)
     # every sample placed exactly once
     placed = sorted((u.prompt, s) for w in hp.workers for u in w for s in u.samples)
     assert placed == [(p, s) for p in range(40) for s in range(4)]
@@ -80,9 +81,12 @@ def test_every_plan_places_every_sample_once(R):
             lengths = [rng.integers(1, 60, size=int(rng.integers(1, 6))).astype(float).tolist() for _ in range(23)]
             want = [(p, s) for p in range(23) for s in range(len(lengths[p]))]
             for policy in ("even", "least_loaded", "histopipe", "oracle"):
-                plan = make_plan(policy, lengths, R, cost=cost, max_num_seqs=8, step=step, prompt_len=5)
-                assert len(plan.workers) == R
-                assert sorted((u.prompt, s) for w in plan.workers for u in w for s in u.samples) == want, policy
+                for placement in ("auto", "lpt", "contiguous"):
+                    plan = make_plan(policy, lengths, R, cost=cost, max_num_seqs=8, step=step, prompt_len=5,
+                                     placement=placement)
+                    assert len(plan.workers) == R
+                    got = sorted((u.prompt, s) for w in plan.workers for u in w for s in u.samples)
+                    assert got == want, (policy, placement)
 
 
 # --- simulator --------------------------------------------------------------------------------

@@ -60,17 +60,19 @@ class RolloutCoordinator:
         tail_fraction: tail migration starts once at most this share of the samples is unfinished.
         worker_timeout_s: a call running longer than this means the worker hangs: it is killed.
         slice_s: how long a worker runs between reports.
+        placement: how histopipe places its groups (``auto`` | ``lpt`` | ``contiguous``).
     """
 
     def __init__(self, pool: WorkerPool, *, policy: str = "histopipe", history=None, cost: StepCost | None = None,
                  max_num_seqs: int = 64, length_stat: str = "mean", tail_fraction: float = 0.1,
                  worker_timeout_s: float = 300.0, slice_s: float = 0.05, complementary: bool = True,
-                 migrate: bool = True, tokenizer=None) -> None:
+                 migrate: bool = True, placement: str = "auto", tokenizer=None) -> None:
         self.pool, self.policy, self.history = pool, policy, history
         self.cost = cost or StepCost((1, 2), (1.0, 1.0))
         self.max_num_seqs, self.length_stat = max_num_seqs, length_stat
         self.tail_fraction, self.worker_timeout_s, self.slice_s = tail_fraction, worker_timeout_s, slice_s
         self.complementary, self.migrate, self.tokenizer = complementary, migrate, tokenizer
+        self.placement = placement
         self.stats = EngineStats()
         self.pipe = PipeStats()
         self.last_plan: Plan | None = None
@@ -97,7 +99,7 @@ class RolloutCoordinator:
                     for r in requests]
             lengths = predicted_samples(hist, n, self.length_stat)
         plan = make_plan(policy, lengths, len(alive), cost=self.cost, max_num_seqs=self.max_num_seqs, step=step,
-                         complementary=self.complementary, migrate=self.migrate,
+                         complementary=self.complementary, migrate=self.migrate, placement=self.placement,
                          prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0)
         return plan
 

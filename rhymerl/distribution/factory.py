@@ -62,4 +62,4 @@ def build_coordinator(cfg: RunConfig, model_path: str | Path, named: Mapping[str
     return RolloutCoordinator(pool, policy=r.schedule, history=history, cost=cost, max_num_seqs=r.max_num_seqs,
                               length_stat=r.length_stat, tail_fraction=r.tail_fraction,
                               worker_timeout_s=r.worker_timeout_s, complementary=r.complementary,
-                              migrate=r.migrate, tokenizer=tokenizer)
+                              migrate=r.migrate, placement=r.placement, tokenizer=tokenizer)

@@ -6,9 +6,10 @@ Policies (all keep the step's barrier: nothing here is off-policy):
 - ``least_loaded``: each sample sent to the worker with the fewest outstanding requests at
   dispatch time (verl / OpenRLHF routing). A step dispatches its whole batch at once, so
   this balances counts, not work.
-- ``histopipe``: samples ranked by the length predicted from history, the ranking cut into
-  contiguous groups with a budget found by binary search on the cost curve (allocation:
-  a worker gets few long samples or many short ones, so groups finish together), groups
+- ``histopipe``: placement from the lengths predicted from history and the cost curve:
+  contiguous groups of the length ranking with a budget found by binary search (the
+  paper's; allocation: a worker gets few long samples or many short ones), or LPT over
+  prompts (long and short work mixed), whichever has the lower estimated makespan; groups
   placed on workers in complementary order across steps (odd steps group 0 on worker 0,
   even steps reversed), each worker's queue longest first; at run time, tail migration.
 - ``oracle``: the same plan from the true lengths (a bound no real run can have).
@@ -153,7 +154,7 @@ def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray
 
 def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers: int, *,
               cost: StepCost, max_num_seqs: int, step: int = 1, complementary: bool = True,
-              migrate: bool = True, prompt_len: float = 0.0) -> Plan:
+              migrate: bool = True, prompt_len: float = 0.0, placement: str = "auto") -> Plan:
     """Plan one step.
 
     Args:
@@ -168,6 +169,10 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         complementary: odd steps place the longest group on worker 0, even steps on worker R-1.
         migrate: tail migration at run time (histopipe only).
         prompt_len: mean prompt tokens (prefill cost in the estimates).
+        placement: ``lpt`` (prompts, longest predicted work first, each to the worker whose
+            estimate is lowest: long and short work mix), ``contiguous`` (the paper's
+            groups: the ranking cut into contiguous groups by a binary-searched budget), or
+            ``auto`` (whichever of the two has the lower estimated makespan).
     """
     if policy not in POLICIES:
         raise ValueError(f"scheduling policy {policy!r} is not one of {POLICIES}")
@@ -188,6 +193,83 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
                 work[w].append((p, s))
                 outstanding[w] += 1
         return Plan(policy, [_merge(w) for w in work])
+    if placement == "lpt":
+        groups = _lpt(lens, R, cost, max_num_seqs, prompt_len)
+    elif placement == "contiguous":
+        groups = _contiguous(lens, R, cost, max_num_seqs, prompt_len)
+    elif placement == "auto":
+        groups = min((_lpt(lens, R, cost, max_num_seqs, prompt_len),
+                      _contiguous(lens, R, cost, max_num_seqs, prompt_len)),
+                     key=lambda gs: plan_estimate_s(gs, lens, cost, max_num_seqs, prompt_len))
+    else:
+        raise ValueError(f"placement {placement!r} is not one of 'auto', 'lpt', 'contiguous'")
+    if complementary and step % 2 == 0:
+        groups = groups[::-1]
+    # what "past its prediction" means at run time: the longest length the plan expected
+    predicted = np.array([max(x) if x else 0.0 for x in lens])
+    return Plan(policy, [_merge(g) for g in groups], migrate=migrate and policy == "histopipe", predicted=predicted)
+
+
+def plan_estimate_s(groups: list[list[tuple[int, int]]], lens: list[list[float]], cost: StepCost,
+                    max_num_seqs: int, prompt_len: float) -> float:
+    """The estimated makespan of a placement: its slowest worker's :func:`estimate_s`."""
+    worst = 0.0
+    for g in groups:
+        if not g:
+            continue
+        x = [lens[p][s] for p, s in g]
+        n_p = len({p for p, _ in g})
+        prefill = prompt_len * (n_p if len(g) <= max_num_seqs else len(g))
+        worst = max(worst, estimate_s(sum(x), max(x), len(g), cost, max_num_seqs, prefill))
+    return worst
+
+
+def _lpt(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
+         prompt_len: float) -> list[list[tuple[int, int]]]:
+    """Longest-processing-time-first over prompts: a prompt's samples go together to the
+    worker with the lowest estimated time so far (split in chunks only when there are
+    fewer prompts than workers); each worker then runs its longest samples first."""
+    import heapq
+
+    P = len(lens)
+    chunks = max(1, -(-R // max(1, P)))  # ceil(R / P): pieces per prompt
+    units = []
+    for p in range(P):
+        order = sorted(range(len(lens[p])), key=lambda s: -lens[p][s])
+        k = max(1, min(chunks, len(order)))
+        for c in range(k):
+            part = order[c::k]
+            if part:
+                units.append((p, part))
+
+    def work(p: int, part: list[int]) -> float:
+        return estimate_s(sum(lens[p][s] for s in part), max(lens[p][s] for s in part), len(part), cost,
+                          max_num_seqs, prompt_len)
+
+    units.sort(key=lambda u: -work(*u))
+    state = [(0.0, w) for w in range(R)]  # (estimate, worker)
+    heapq.heapify(state)
+    acc = [[0.0, 0.0, 0, 0] for _ in range(R)]  # sum, longest, count, prompts
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    for p, part in units:
+        _, w = heapq.heappop(state)
+        a = acc[w]
+        a[0] += sum(lens[p][s] for s in part)
+        a[1] = max(a[1], max(lens[p][s] for s in part))
+        a[2] += len(part)
+        a[3] += 1
+        groups[w].extend((p, s) for s in part)
+        prefill = prompt_len * (a[3] if a[2] <= max_num_seqs else a[2])
+        heapq.heappush(state, (estimate_s(a[0], a[1], a[2], cost, max_num_seqs, prefill), w))
+    for g in groups:  # longest first; siblings stay adjacent
+        mean = {p: np.mean(lens[p]) for p, _ in g}
+        g.sort(key=lambda u: (-mean[u[0]], u[0], -lens[u[0]][u[1]]))
+    return groups
+
+
+def _contiguous(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
+                prompt_len: float) -> list[list[tuple[int, int]]]:
+    P = len(lens)
     units = [(p, s) for p in range(P) for s in range(len(lens[p]))]
     flat = np.array([lens[p][s] for p, s in units], dtype=np.float64)
     # Rank prompts by their mean (predicted or true) length, samples longest first within a
@@ -199,9 +281,4 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     starts = _partition(ranked, prompt_of, R, cost, max_num_seqs, prompt_len) if len(ranked) else [0]
     bounds = _use_all_workers(starts + [len(ranked)], ranked, prompt_of, R, cost, max_num_seqs, prompt_len)
     groups = [[units[i] for i in order[bounds[g]:bounds[g + 1]]] for g in range(len(bounds) - 1)]
-    groups += [[] for _ in range(R - len(groups))]
-    if complementary and step % 2 == 0:
-        groups = groups[::-1]
-    # what "past its prediction" means at run time: the longest length the plan expected
-    predicted = np.array([max(x) if x else 0.0 for x in lens])
-    return Plan(policy, [_merge(g) for g in groups], migrate=migrate and policy == "histopipe", predicted=predicted)
+    return groups + [[] for _ in range(R - len(groups))]
