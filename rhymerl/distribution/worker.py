@@ -55,10 +55,6 @@ class RolloutWorker:
     def advance(self, items: list[WorkItem], step: int, seconds: float) -> WorkerReport:
         """Queue ``items``, then run engine steps for about ``seconds`` (at least one step)."""
         finished, self._done = [r for r in self._done if r.outputs], []
-        if step != self._step:
-            self._step = step
-            if self.engine.proposer is not None and hasattr(self.engine.proposer, "begin"):
-                self.engine.proposer.begin(step)
         for it in items:
             if self.store is not None and it.prompt_key is not None:
                 self.store.put(it.prompt_key, it.prompt_ids, it.history)
@@ -70,6 +66,10 @@ class RolloutWorker:
                 finished.append(ItemResult(it.item_id, [], out.error))
                 continue
             self._rid_item[rid], self._item_rid[it.item_id] = it.item_id, rid
+        if step != self._step:  # after the items: their history is in the store when the drafter looks
+            self._step = step
+            if self.engine.proposer is not None and hasattr(self.engine.proposer, "begin"):
+                self.engine.proposer.begin(step)
         t0 = time.perf_counter()
         while self.engine.has_unfinished():
             for out in self.engine.step():
