@@ -170,3 +170,18 @@ def test_tree_scoring_logits_equal_single_path():
         for node, path in paths.items():
             ref = m(torch.tensor([prompt + path]))[0, -1]
             assert (logits[node] - ref).abs().max().item() < 1e-4
+
+
+def test_siblings_admitted_later_reuse_the_prompt(model):
+    """With fewer slots than samples, later siblings copy the prompt's K/V from a running
+    sibling instead of prefilling it again; the tokens do not change."""
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15]]
+    sp = SamplingParams(n=6, temperature=1.5, max_tokens=12, seed=5)  # samples end at different lengths
+    wide = LLM(model, max_num_seqs=16, max_model_len=64)
+    narrow = LLM(model, max_num_seqs=4, max_model_len=64)
+    ref = [[c.token_ids for c in o.outputs] for o in wide.generate(prompts, sp, use_tqdm=False)]
+    got = narrow.generate(prompts, sp, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == ref
+    assert len({len(t) for o in ref for t in o}) > 1
+    assert narrow.engine.runner.reused_prompts > 0
+    assert len(narrow.engine.runner.prompt_logits) <= len(prompts)

@@ -123,7 +123,7 @@ class LLMEngine:
         finished: list[Sequence] = []
         groups = self.scheduler.admit()
         if groups:
-            self.runner.prefill(groups)
+            self.runner.prefill(groups, self._cached_prompts(groups))
             self.stats.prefills += 1
             new = [s for g in groups for s in g if not s.resumed]
             self.stats.generated += len(new)
@@ -165,6 +165,25 @@ class LLMEngine:
             if self.requests[rid].finished:
                 done.append(self.requests[rid])
         return done
+
+    def _cached_prompts(self, groups: list[list[Sequence]]) -> dict[int, int]:
+        """Groups whose prompt is already in the cache: a sibling admitted in an earlier step
+        still runs (its slot holds the prompt's K/V) and the prompt's logits were kept.
+        Kept logits are dropped once no sample of their request waits."""
+        new = {id(s) for g in groups for s in g}
+        holder: dict[int, int] = {}
+        for s in self.scheduler.running:
+            if id(s) not in new and s.request_id in self.runner.prompt_logits:
+                holder.setdefault(s.request_id, s.slot)
+        cached = {gi: holder[g[0].request_id] for gi, g in enumerate(groups)
+                  if not g[0].resumed and g[0].request_id in holder}
+        kept = self.runner.prompt_logits
+        if kept:
+            waiting = {s.request_id for s in self.scheduler.waiting}
+            for rid in list(kept):
+                if rid not in waiting and rid not in {g[0].request_id for g in groups}:
+                    del kept[rid]
+        return cached
 
     def _check_stop(self, s: Sequence, n_new: int) -> bool:
         """Truncate at a stop token, max_tokens or max_model_len among the ``n_new`` new tokens."""

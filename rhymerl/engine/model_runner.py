@@ -52,38 +52,58 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.num_forwards = 0
+        # last-position logits of prompts whose samples are not all admitted yet
+        self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.reused_prompts = 0  # groups admitted without a prompt forward
 
     @torch.inference_mode()
-    def prefill(self, groups: list[list[Sequence]]) -> None:
+    def prefill(self, groups: list[list[Sequence]], cached: dict[int, int] | None = None) -> None:
         """Prefill each group's shared prompt and draw every sample's first token.
 
         Groups occupy consecutive slots starting at ``groups[0][0].slot``; the prefill
-        rows are written to the first ``len(groups)`` of those slots and then fanned out.
+        rows are written to the first slots of that range and then fanned out.
+        ``cached`` maps a group index to the slot of a running sibling: that group's prompt
+        K/V is copied from there and its first tokens drawn from the prompt's kept
+        last-position logits, with no forward (siblings admitted steps after the first).
         """
+        cached = cached or {}
+        fresh = [gi for gi in range(len(groups)) if gi not in cached]
         base = groups[0][0].slot
-        prefixes = [g[0].prefill_ids for g in groups]
-        lens = [len(p) for p in prefixes]
-        T = max(lens)
-        ids = torch.zeros(len(groups), T, dtype=torch.long)
-        for i, p in enumerate(prefixes):
-            ids[i, : lens[i]] = torch.tensor(p)
-        ids = ids.to(self.device)
-        pos = torch.arange(T, device=self.device).expand(len(groups), T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        mask = causal.expand(len(groups), 1, T, T)
-        view = self.cache.view(base, base + len(groups), pos, mask)
-        last = torch.tensor(lens, device=self.device).sub_(1).unsqueeze(1)
-        logits = self.model(ids, pos, view, logits_index=last)[:, 0]  # [G, V]
-        self.num_forwards += 1
-        # Fan the prompt K/V out to every sample's slot; reverse order never overwrites a
-        # prefill row before it is copied (group g's row is at base+g <= its own slots).
-        for gi in range(len(groups) - 1, -1, -1):
+        logits_of: dict[int, torch.Tensor] = {}
+        if fresh:
+            prefixes = [groups[gi][0].prefill_ids for gi in fresh]
+            lens = [len(p) for p in prefixes]
+            T = max(lens)
+            ids = torch.zeros(len(fresh), T, dtype=torch.long)
+            for i, p in enumerate(prefixes):
+                ids[i, : lens[i]] = torch.tensor(p)
+            ids = ids.to(self.device)
+            pos = torch.arange(T, device=self.device).expand(len(fresh), T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            mask = causal.expand(len(fresh), 1, T, T)
+            view = self.cache.view(base, base + len(fresh), pos, mask)
+            last = torch.tensor(lens, device=self.device).sub_(1).unsqueeze(1)
+            logits = self.model(ids, pos, view, logits_index=last)[:, 0]  # [G, V]
+            self.num_forwards += 1
+            # Fan the prompt K/V out to every sample's slot; reverse order never overwrites a
+            # prefill row before it is copied (row i is at base+i <= its group's first slot).
+            for i in range(len(fresh) - 1, -1, -1):
+                g = groups[fresh[i]]
+                self.cache.fan_out(base + i, g[0].slot, len(g), lens[i])
+            for i, gi in enumerate(fresh):
+                logits_of[gi] = logits[i]
+                g0 = groups[gi][0]
+                if not g0.resumed:
+                    self.prompt_logits[g0.request_id] = logits[i]
+        for gi, src in cached.items():  # after the fresh rows: those may have passed through these slots
             g = groups[gi]
-            self.cache.fan_out(base + gi, g[0].slot, len(g), lens[gi])
-        rows = torch.tensor([gi for gi, g in enumerate(groups) for _ in g], device=self.device)
+            self.reused_prompts += 1
+            self.cache.fan_out(src, g[0].slot, len(g), len(g[0].prompt_ids))
+            logits_of[gi] = self.prompt_logits[g[0].request_id]
+        rows = [gi for gi, g in enumerate(groups) for _ in g]
         seqs = [s for g in groups for s in g]
         batch = _sampling_batch(seqs, torch.zeros(len(seqs), 1, dtype=torch.long), self.device)
-        tokens, logps = sample(logits[rows], batch)
+        tokens, logps = sample(torch.stack([logits_of[gi] for gi in rows]), batch)
         for s, t, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             if s.resumed:  # its next token is already known: the prefill only rebuilt the K/V
                 s.cache_len = len(s.prefill_ids)
