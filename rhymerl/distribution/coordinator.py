@@ -112,167 +112,12 @@ class RolloutCoordinator:
         """
         plan = plan or self.plan(requests, step)
         self.last_plan = plan
-        alive = self.pool.alive()
-        P = len(requests)
-        results: list[dict[int, CompletionOutput]] = [dict() for _ in range(P)]
-        outs: list[RequestOutput | None] = [None] * P
-        total = sum(r.params.n for r in requests)
-        done_samples = 0
-        item_prompt: dict[int, int] = {}
-        where: dict[tuple[int, int], int] = {}  # (prompt, sample) -> worker index, while unfinished
-        pending: dict[int, list[WorkItem]] = defaultdict(list)
-        outstanding: dict[int, int] = defaultdict(int)
-        pred = plan.predicted if plan.predicted is not None else np.zeros(P)
-
-        def new_item(p: int, samples: list[int], w: int, prefixes=None) -> None:
-            r = requests[p]
-            iid = self._next_item
-            self._next_item += 1
-            item_prompt[iid] = p
-            hist = self.history.export(r.prompt_key) if self.history is not None and r.prompt_key else []
-            pending[w].append(WorkItem(iid, r.prompt_ids, r.params, r.seed, r.prompt_key, samples,
-                                       prefixes or {}, hist))
-            for s in samples:
-                where[(p, s)] = w
-            outstanding[w] += len(samples)
-
-        for h, units in zip(alive, plan.workers):
-            for u in units:
-                new_item(u.prompt, list(u.samples), h.index)
-
-        def finish(p: int) -> None:
-            r = requests[p]
-            o = RequestOutput(request_id=p, prompt_token_ids=list(r.prompt_ids), prompt_key=r.prompt_key,
-                              outputs=[results[p][s] for s in sorted(results[p])])
-            outs[p] = o
-            if on_done is not None:
-                on_done(p, o)
-
-        def absorb(h: WorkerHandle, rep: WorkerReport) -> None:
-            nonlocal done_samples
-            st = self.stats
-            for k in ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s"):
-                setattr(st, k, getattr(st, k) + rep.stats[k])
-            st.batch_sizes.extend(rep.stats["batch_sizes"])
-            self.busy_s[h.index] += rep.stats["step_s"]
-            for it in rep.finished:
-                p = item_prompt.pop(it.item_id)
-                if it.error is not None:
-                    raise ValueError(f"request {p} ({requests[p].prompt_key}): {it.error}")
-                for c in it.outputs:
-                    results[p][c.index] = c
-                    where.pop((p, c.index), None)
-                    outstanding[h.index] -= 1
-                    done_samples += 1
-                if len(results[p]) == requests[p].params.n:
-                    finish(p)
-
-        def lose(h: WorkerHandle, why: str) -> None:
-            self.pipe.lost_workers += 1
-            log.warning("rollout worker %d lost (%s); its unfinished samples re-run on the others with the "
-                        "same seeds", h.index, why)
-            h.kill()
-            orphans: dict[int, list[int]] = defaultdict(list)
-            for (p, s), w in list(where.items()):
-                if w == h.index:
-                    orphans[p].append(s)
-            for it in pending.pop(h.index, []):
-                item_prompt.pop(it.item_id, None)
-            outstanding[h.index] = 0
-            live = self.pool.alive()
-            if not live:
-                raise RuntimeError(f"every rollout worker is lost (last: {why})")
-            for p, samples in sorted(orphans.items()):
-                w = min(live, key=lambda x: outstanding[x.index]).index
-                new_item(p, sorted(samples), w)
-                self.pipe.rerun_samples += len(samples)
-
-        def idle_workers() -> list[WorkerHandle]:
-            return [x for x in self.pool.alive() if x.started_at is None and outstanding[x.index] == 0
-                    and not pending[x.index]]
-
-        def rebalance(h: WorkerHandle, rep: WorkerReport) -> None:
-            """An idle worker takes waiting work from ``h``, or, in the tail, its most overdue sample."""
-            idle = idle_workers()
-            if not plan.migrate or not idle:
-                return
-            target = idle[0]
-            if rep.waiting:
-                iid = rep.waiting[-1][0]
-                p = item_prompt.get(iid)
-                samples = [s for i, s in rep.waiting if i == iid]
-                taken = [s for s in samples if h.call("abort", iid, s) is not None]
-                if taken and p is not None:
-                    outstanding[h.index] -= len(taken)
-                    new_item(p, taken, target.index)
-                    self.pipe.steals += len(taken)
-                return
-            if total - done_samples > self.tail_fraction * total or len(rep.running) < 2:
-                return
-            best, over = None, 0.0
-            for iid, s, gen in rep.running:
-                p = item_prompt.get(iid)
-                if p is None:
-                    continue
-                o = gen - float(pred[p])
-                if o > over:
-                    best, over = (iid, p, s, gen), o
-            if best is None:
-                return
-            iid, p, s, gen = best
-            B = len(rep.running)
-            recompute = (len(requests[p].prompt_ids) + gen) * self.cost.prefill_per_token_s
-            if (self.cost.step_s(B) - self.cost.step_s(1)) * gen <= recompute:
-                return
-            got = h.call("abort", iid, s)
-            if got is None:
-                return
-            outstanding[h.index] -= 1
-            new_item(p, [s], target.index, {s: got})
-            self.pipe.migrations += 1
-
-        def kick(h: WorkerHandle) -> None:
-            if h.alive and h.started_at is None and (pending[h.index] or outstanding[h.index] > 0):
-                items = pending.pop(h.index, [])
-                try:
-                    h.start("advance", items, step, self.slice_s)
-                except WorkerLost as e:
-                    lose(h, str(e))
-
-        for h in alive:
-            kick(h)
-        while any(o is None for o in outs):
-            if all(h.started_at is None for h in self.pool.alive()):  # a bookkeeping bug, never a hang
-                missing = {p: sorted(set(range(requests[p].params.n)) - set(results[p]))
-                           for p, o in enumerate(outs) if o is None}
-                raise RuntimeError(f"rollout stalled: samples {missing} are on no worker")
-            for h in self.pool.wait(timeout=min(1.0, self.worker_timeout_s)):
-                try:
-                    rep = h.result()
-                except WorkerLost as e:
-                    lose(h, str(e))
-                    continue
-                absorb(h, rep)
-                if self.on_report is not None:
-                    self.on_report(h, rep)
-                if h.alive:
-                    try:
-                        rebalance(h, rep)
-                    except WorkerLost as e:
-                        lose(h, str(e))
-            now = time.monotonic()
-            for h in self.pool.alive():
-                if h.started_at is not None and now - h.started_at > self.worker_timeout_s:
-                    lose(h, f"no answer for {now - h.started_at:.0f}s (worker_timeout_s={self.worker_timeout_s})")
-            for h in self.pool.alive():
-                kick(h)
-            if not self.pool.alive():
-                raise RuntimeError("every rollout worker is lost")
+        outs = _StepRun(self, requests, step, plan, on_done).run()
         if self.history is not None:
             for r, o in zip(requests, outs):
                 if r.prompt_key is not None and o is not None:
                     self.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
-        return outs  # type: ignore[return-value]
+        return outs
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]], sampling_params: SamplingParams | None = None, *,
@@ -293,3 +138,163 @@ class RolloutCoordinator:
             return self.rollout(reqs, step, plan=self.plan(reqs, step, policy=policy))
         finally:
             self.history = hist
+
+
+class _StepRun:
+    """The bookkeeping of one rollout step: which samples are where, what is back."""
+
+    def __init__(self, co: RolloutCoordinator, requests: list[RolloutRequest], step: int, plan: Plan,
+                 on_done: Callable[[int, RequestOutput], None] | None) -> None:
+        self.co, self.requests, self.step, self.plan, self.on_done = co, requests, step, plan, on_done
+        P = len(requests)
+        self.results: list[dict[int, CompletionOutput]] = [dict() for _ in range(P)]
+        self.outs: list[RequestOutput | None] = [None] * P
+        self.total = sum(r.params.n for r in requests)
+        self.done_samples = 0
+        self.item_prompt: dict[int, int] = {}
+        self.where: dict[tuple[int, int], int] = {}  # (prompt, sample) -> worker index, while unfinished
+        self.pending: dict[int, list[WorkItem]] = defaultdict(list)  # items not yet sent, per worker
+        self.outstanding: dict[int, int] = defaultdict(int)  # unfinished samples per worker
+        self.pred = plan.predicted if plan.predicted is not None else np.zeros(P)
+        for h, units in zip(co.pool.alive(), plan.workers):
+            for u in units:
+                self.new_item(u.prompt, list(u.samples), h.index)
+
+    def run(self) -> list[RequestOutput]:
+        co = self.co
+        for h in co.pool.alive():
+            self.kick(h)
+        while any(o is None for o in self.outs):
+            if all(h.started_at is None for h in co.pool.alive()):  # a bookkeeping bug, never a hang
+                missing = {p: sorted(set(range(self.requests[p].params.n)) - set(self.results[p]))
+                           for p, o in enumerate(self.outs) if o is None}
+                raise RuntimeError(f"rollout stalled: samples {missing} are on no worker")
+            for h in co.pool.wait(timeout=min(1.0, co.worker_timeout_s)):
+                try:
+                    rep = h.result()
+                except WorkerLost as e:
+                    self.lose(h, str(e))
+                    continue
+                self.absorb(h, rep)
+                if co.on_report is not None:
+                    co.on_report(h, rep)
+                if h.alive:
+                    try:
+                        self.rebalance(h, rep)
+                    except WorkerLost as e:
+                        self.lose(h, str(e))
+            now = time.monotonic()
+            for h in co.pool.alive():
+                if h.started_at is not None and now - h.started_at > co.worker_timeout_s:
+                    self.lose(h, f"no answer for {now - h.started_at:.0f}s (worker_timeout_s={co.worker_timeout_s})")
+            for h in co.pool.alive():
+                self.kick(h)
+            if not co.pool.alive():
+                raise RuntimeError("every rollout worker is lost")
+        return self.outs  # type: ignore[return-value]
+
+    def new_item(self, p: int, samples: list[int], w: int, prefixes=None) -> None:
+        co, r = self.co, self.requests[p]
+        iid = co._next_item
+        co._next_item += 1
+        self.item_prompt[iid] = p
+        hist = co.history.export(r.prompt_key) if co.history is not None and r.prompt_key else []
+        self.pending[w].append(WorkItem(iid, r.prompt_ids, r.params, r.seed, r.prompt_key, samples,
+                                        prefixes or {}, hist))
+        for s in samples:
+            self.where[(p, s)] = w
+        self.outstanding[w] += len(samples)
+
+    def kick(self, h: WorkerHandle) -> None:
+        """Send the worker its new items and let it run a slice, if it has anything to do."""
+        if h.alive and h.started_at is None and (self.pending[h.index] or self.outstanding[h.index] > 0):
+            try:
+                h.start("advance", self.pending.pop(h.index, []), self.step, self.co.slice_s)
+            except WorkerLost as e:
+                self.lose(h, str(e))
+
+    def absorb(self, h: WorkerHandle, rep: WorkerReport) -> None:
+        st = self.co.stats
+        for k in ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s"):
+            setattr(st, k, getattr(st, k) + rep.stats[k])
+        st.batch_sizes.extend(rep.stats["batch_sizes"])
+        self.co.busy_s[h.index] += rep.stats["step_s"]
+        for it in rep.finished:
+            p = self.item_prompt.pop(it.item_id)
+            if it.error is not None:
+                raise ValueError(f"request {p} ({self.requests[p].prompt_key}): {it.error}")
+            for c in it.outputs:
+                self.results[p][c.index] = c
+                self.where.pop((p, c.index), None)
+                self.outstanding[h.index] -= 1
+                self.done_samples += 1
+            if len(self.results[p]) == self.requests[p].params.n:
+                self.finish(p)
+
+    def finish(self, p: int) -> None:
+        r = self.requests[p]
+        o = RequestOutput(request_id=p, prompt_token_ids=list(r.prompt_ids), prompt_key=r.prompt_key,
+                          outputs=[self.results[p][s] for s in sorted(self.results[p])])
+        self.outs[p] = o
+        if self.on_done is not None:
+            self.on_done(p, o)
+
+    def lose(self, h: WorkerHandle, why: str) -> None:
+        """A worker is gone: its unfinished samples go to the least loaded survivors, same seeds."""
+        co = self.co
+        co.pipe.lost_workers += 1
+        log.warning("rollout worker %d lost (%s); its unfinished samples re-run on the others with the "
+                    "same seeds", h.index, why)
+        h.kill()
+        orphans: dict[int, list[int]] = defaultdict(list)
+        for (p, s), w in list(self.where.items()):
+            if w == h.index:
+                orphans[p].append(s)
+        for it in self.pending.pop(h.index, []):
+            self.item_prompt.pop(it.item_id, None)
+        self.outstanding[h.index] = 0
+        live = co.pool.alive()
+        if not live:
+            raise RuntimeError(f"every rollout worker is lost (last: {why})")
+        for p, samples in sorted(orphans.items()):
+            w = min(live, key=lambda x: self.outstanding[x.index]).index
+            self.new_item(p, sorted(samples), w)
+            co.pipe.rerun_samples += len(samples)
+
+    def rebalance(self, h: WorkerHandle, rep: WorkerReport) -> None:
+        """An idle worker takes waiting work from ``h``, or, in the tail, its most overdue sample."""
+        co = self.co
+        idle = [x for x in co.pool.alive() if x.started_at is None and self.outstanding[x.index] == 0
+                and not self.pending[x.index]]
+        if not self.plan.migrate or not idle:
+            return
+        target = idle[0]
+        if rep.waiting:
+            iid = rep.waiting[-1][0]
+            p = self.item_prompt.get(iid)
+            samples = [s for i, s in rep.waiting if i == iid]
+            taken = [s for s in samples if h.call("abort", iid, s) is not None]
+            if taken and p is not None:
+                self.outstanding[h.index] -= len(taken)
+                self.new_item(p, taken, target.index)
+                co.pipe.steals += len(taken)
+            return
+        if self.total - self.done_samples > co.tail_fraction * self.total or len(rep.running) < 2:
+            return
+        best, over = None, 0.0
+        for iid, s, gen in rep.running:
+            p = self.item_prompt.get(iid)
+            if p is not None and gen - float(self.pred[p]) > over:
+                best, over = (iid, p, s, gen), gen - float(self.pred[p])
+        if best is None:
+            return
+        iid, p, s, gen = best
+        recompute = (len(self.requests[p].prompt_ids) + gen) * co.cost.prefill_per_token_s
+        if (co.cost.step_s(len(rep.running)) - co.cost.step_s(1)) * gen <= recompute:
+            return  # expecting as many tokens again, the move would not pay
+        got = h.call("abort", iid, s)
+        if got is None:
+            return
+        self.outstanding[h.index] -= 1
+        self.new_item(p, [s], target.index, {s: got})
+        co.pipe.migrations += 1
