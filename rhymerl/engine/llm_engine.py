@@ -224,4 +224,5 @@ class LLMEngine:
 
     def pop_request(self, rid: int) -> RequestOutput:
         self._seqs.pop(rid, None)
+        self.runner.prompt_logits.pop(rid, None)
         return self.requests.pop(rid)
