@@ -44,6 +44,16 @@ def trace_pairs(path: Path) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
+def stat_correlations(pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    """Rank correlation between each length statistic of a prompt's previous epoch and the
+    mean length of its next one: how well each predicts the order HistoPipe plans by."""
+    from rhymerl.scheduling.length_predictor import STATS
+
+    true = [float(np.mean(c)) for _, c in pairs]
+    return {name: spearman([f(np.asarray(p, dtype=np.float64)) for p, _ in pairs], true)
+            for name, f in STATS.items()}
+
+
 def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
     """Per prompt a typical length; each epoch's n samples scatter around it (and the typical
     length drifts a little between epochs, as the policy changes)."""
@@ -219,9 +229,11 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     source = f"recorded ({trace_path})" if pairs else "this bench's two epochs"
     if not pairs:
         pairs = bench_pairs
-    corr = spearman([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
-    print(f"length traces: {source}: {len(pairs)} (previous, next) epoch pairs; rank correlation of the "
-          f"predicted (previous mean) and true mean length per prompt: {corr:.3f}")
+    corrs = stat_correlations(pairs)
+    corr = corrs["mean"]
+    print(f"length traces: {source}: {len(pairs)} (previous, next) epoch pairs; rank correlation of each "
+          f"statistic of the previous epoch's lengths with the next epoch's mean length: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in corrs.items()))
     from rhymerl.config import load_config
     from rhymerl.distribution.factory import profile_cost
 
@@ -244,6 +256,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
                        "vs_oracle", "simulated_s", "sim_error", "moved", "migrations", "steals"])
     report = write_report(rows, json_path)
     report["length_rank_correlation"] = corr
+    report["length_rank_correlation_by_stat"] = corrs
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report
