@@ -104,6 +104,7 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
                 store.add(k, o.prompt_token_ids, [c.token_ids for c in o.outputs], ep)
         ref_tokens = None
         results: dict[str, dict[str, Any]] = {}
+        engines: dict[str, tuple[LLM, Any]] = {}
         for method in methods:
             try:
                 prop = _proposer(method, store, max_draft)
@@ -112,33 +113,40 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
                 continue
             llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=256, speculative=prop)
             llm.generate([rows[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-            st = llm.engine.stats
-            b0, a0, d0, ds0, g0 = sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated
+            engines[method] = (llm, prop)
+
+        def timed(llm: LLM) -> tuple[list, float]:
             t = time.perf_counter()
             outs = llm.generate([r.prompt for r in rows], params(epochs), prompt_keys=keys, step=epochs,
                                 use_tqdm=False)
-            wall = time.perf_counter() - t
-            # counts from the first run; time: the best of `reps` runs (this machine is noisy)
+            return outs, time.perf_counter() - t
+
+        # Counts from each method's first run; time: the best of `reps` runs, the methods taking
+        # turns in every round so that this machine's drifting speed hits them all alike.
+        for method, (llm, prop) in engines.items():
+            st = llm.engine.stats
+            b0, a0, d0, ds0, g0 = sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated
+            outs, wall = timed(llm)
             b1, a1, d1, ds1, g1 = sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated
-            for _ in range(reps - 1):
-                t = time.perf_counter()
-                llm.generate([r.prompt for r in rows], params(epochs), prompt_keys=keys, step=epochs,
-                             use_tqdm=False)
-                wall = min(wall, time.perf_counter() - t)
             tokens = [[c.token_ids for c in o.outputs] for o in outs]
             if ref_tokens is None:
                 ref_tokens = tokens
                 per_epoch.append(tokens)
-            identical = tokens == ref_tokens
             rows_f = b1 - b0
             gen = g1 - g0
             impl = "arctic" if type(prop).__name__.startswith("Arctic") else "rhymerl"
-            res = {"temperature": temp, "method": method, "impl": impl, "max_num_seqs": max_num_seqs,
-                   "accepted_per_forward": (rows_f + a1 - a0) / rows_f,
-                   "forwards_per_token": rows_f / gen, "tok_s": gen / wall, "wall_s": wall,
-                   "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
-                   "draft_share": min(1.0, (ds1 - ds0) / wall), "identical_tokens": identical}
-            results[method] = res
+            results[method] = {"temperature": temp, "method": method, "impl": impl, "max_num_seqs": max_num_seqs,
+                               "accepted_per_forward": (rows_f + a1 - a0) / rows_f,
+                               "forwards_per_token": rows_f / gen, "wall_s": wall, "generated": gen,
+                               "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
+                               "draft_s": ds1 - ds0, "identical_tokens": tokens == ref_tokens}
+        for _ in range(reps - 1):
+            for method, (llm, _prop) in engines.items():
+                results[method]["wall_s"] = min(results[method]["wall_s"], timed(llm)[1])
+        for method, res in results.items():
+            res["tok_s"] = res["generated"] / res["wall_s"]
+            res["draft_share"] = min(1.0, res.pop("draft_s") / res["wall_s"])
+            del res["generated"]
             out_rows.append(res)
         for r in out_rows:
             if r["temperature"] == temp:
