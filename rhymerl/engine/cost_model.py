@@ -21,8 +21,15 @@ class CostModel:
         self.table = table
         self.batches = sorted({b for b, _ in table})
         self.widths = sorted({t for _, t in table})
+        self._memo: dict[tuple[int, int], float] = {}  # the gate asks the same few (B, T) every step
 
     def cost(self, B: int, T: int) -> float:
+        c = self._memo.get((B, T))
+        if c is None:
+            c = self._memo[(B, T)] = self._interpolate(B, T)
+        return c
+
+    def _interpolate(self, B: int, T: int) -> float:
         def around(xs: list[int], x: int) -> tuple[int, int, float]:
             i = bisect.bisect_left(xs, x)
             if i == 0:
