@@ -29,9 +29,9 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_report(rows: list[dict[str, Any]], path: str | None) -> dict[str, Any]:
-    """``{"rows": [...], "machine": {...}}``, written to ``path`` when given."""
-    report = {"rows": rows, "machine": machine_info()}
+def write_report(rows: list[dict[str, Any]], path: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"rows": [...], "machine": {...}}`` plus ``extra``, written to ``path`` when given."""
+    report = {"rows": rows, "machine": machine_info(), **(extra or {})}
     if path:
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -254,12 +254,8 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print()
     print_table(rows, ["source", "trace", "workers", "policy", "makespan_s", "bubble_fraction", "vs_even",
                        "vs_oracle", "simulated_s", "sim_error", "moved", "migrations", "steals"])
-    report = write_report(rows, json_path)
-    report["length_rank_correlation"] = corr
-    report["length_rank_correlation_by_stat"] = corrs
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    return write_report(rows, json_path, {"length_rank_correlation": corr,
+                                           "length_rank_correlation_by_stat": corrs})
 
 
 __all__ = ["run", "trace_pairs", "synthetic_pairs", "simulated_rows", "measured_rows"]

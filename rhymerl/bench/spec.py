@@ -9,7 +9,6 @@ engine, length control and gate; only where drafts come from differs.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,11 +164,4 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
     print_table(out_rows, cols)
     print("\nsimilarity between consecutive epochs (same prompts):")
     print_table(sim_rows, ["temperature", "reusable_token_share", "rank_moves_across_quartile"])
-    report = write_report(out_rows, None)
-    report["similarity"] = sim_rows
-    report["model"] = model
-    if json_path:
-        import json
-
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    return write_report(out_rows, json_path, {"similarity": sim_rows, "model": model})
