@@ -106,7 +106,7 @@ class AlgorithmSection:
     loss_agg_mode: str = "token-mean"
     kl_coef: float = 0.05  # keeps held-out accuracy from eroding on this tiny model (measured)
     kl_type: str = "low_var_kl"
-    use_kl_in_reward: bool = False
+    use_kl_in_reward: bool = False  # True: kl_coef x summed token KL off each reward (verl), not a loss term
     entropy_coef: float = 0.0
     dynamic_sampling: bool = False
     max_resample_batches: int = 3

@@ -75,6 +75,29 @@ def test_speculation_does_not_change_learning(base_model, tmp_path):
     assert _learning_metrics(tmp_path / "a") == _learning_metrics(tmp_path / "b")
 
 
+def test_kl_in_reward_replaces_the_kl_loss(base_model, tmp_path):
+    from rhymerl.training.rl import train
+
+    # a reward that varies within every group, so the first update moves the policy off the base
+    reward = tmp_path / "parity.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    return float(len(solution_str) % 2)\n")
+    ov = ["trainer.steps=2", "trainer.eval_every=100", "algorithm.kl_coef=0.5", "trainer.lr=5e-3",
+          f"data.reward_file={reward}"]
+    train(load_config(None, _overrides(base_model, tmp_path / "loss") + ov), progress=False)
+    train(load_config(None, _overrides(base_model, tmp_path / "reward") + ov + ["algorithm.use_kl_in_reward=true"]),
+          progress=False)
+    loss = [r for r in read_metrics(tmp_path / "loss" / "metrics.jsonl") if "timing_s/step" in r]
+    rew = [r for r in read_metrics(tmp_path / "reward" / "metrics.jsonl") if "timing_s/step" in r]
+    assert "actor/kl_loss" in loss[0] and "critic/kl_in_reward" not in loss[0]
+    assert "actor/kl_loss" not in rew[0] and "critic/kl_in_reward" in rew[0]
+    # step 1 samples the base itself (KL 0); after one update the policy has moved, and the
+    # rewards it is trained on are the scores minus the KL
+    assert rew[0]["critic/kl_in_reward"] == pytest.approx(0.0, abs=1e-4)
+    assert rew[1]["critic/kl_in_reward"] > 0
+    assert rew[1]["critic/rewards/mean"] < rew[1]["critic/score/mean"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_two_workers_learn_exactly_what_one_does(base_model, tmp_path, backend):

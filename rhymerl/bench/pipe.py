@@ -12,6 +12,7 @@ Two tables from one invocation:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -29,19 +30,22 @@ TRACE_SCALE_GPU = 64  # recorded arith lengths (tens of tokens) scaled to reason
 
 
 # --- traces --------------------------------------------------------------------------------------
-def trace_pairs(path: Path) -> list[tuple[list[int], list[int]]]:
-    """(previous epoch's lengths, this epoch's lengths) for every prompt seen twice in a run's traces."""
+def trace_pairs(path: Path) -> tuple[list[tuple[list[int], list[int]]], float]:
+    """(previous epoch's lengths, this epoch's lengths) for every prompt seen twice in a run's
+    traces, and the mean prompt length in tokens."""
     last: dict[str, list[int]] = {}
     pairs = []
+    prompt_lens: list[int] = []
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         rec = json.loads(line)
+        prompt_lens += rec["prompt_lens"]
         for key, lens in zip(rec["keys"], rec["lengths"]):
             if key in last:
                 pairs.append((last[key], lens))
             last[key] = lens
-    return pairs
+    return pairs, float(np.mean(prompt_lens)) if prompt_lens else 0.0
 
 
 def stat_correlations(pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
@@ -115,14 +119,27 @@ def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float
     return rows
 
 
+@functools.lru_cache(maxsize=None)
+def profiled_cost(model: str, threads: int) -> StepCost:
+    """A worker's step-time curve with ``threads`` threads, measured once per bench run."""
+    from rhymerl.config import load_config
+    from rhymerl.distribution.factory import profile_cost
+
+    cfg = load_config()
+    cfg.rollout.max_num_seqs = 256
+    return profile_cost(model, cfg, threads).scaled(1.0, f"profiled here ({threads} thread"
+                                                         f"{'s' if threads > 1 else ''}/worker)")
+
+
 # --- measured --------------------------------------------------------------------------------------
-def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, reps: int) -> tuple[list[dict], list]:
+def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
+                  reps: int) -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
-    step) per policy, after an epoch that gave every prompt a history."""
+    step) per policy, after an epoch that gave every prompt a history. Also returns this
+    bench's (previous, next) length pairs and mean prompt length, a trace of its own."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
-    from rhymerl.distribution.factory import profile_cost
     from rhymerl.drafting import HistoryStore
     from rhymerl.engine import SamplingParams
     from rhymerl.model import load_pretrained
@@ -152,10 +169,9 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     truth: list[list[list[int]]] = []
     for R in worker_counts:
         threads = max(1, cores // R)
-        cfg.rollout.max_num_seqs = 256
         share = max(1.0, R * threads / cores)  # more worker threads than cores: each runs that much slower
-        sim_cost = profile_cost(model, cfg, threads).scaled(
-            share, f"profiled here ({threads} thread{'s' if threads > 1 else ''}/worker)")
+        base_cost = profiled_cost(model, threads)
+        sim_cost = base_cost.scaled(share) if share > 1 else base_cost
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
                  for i in range(R)]
         pool = make_pool("local", specs, named)
@@ -207,7 +223,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
                              "sim_error": res["simulated_s"] / res["step_s"] - 1})
         print(f"  measured R={R} (rollout s per step): " + ", ".join(
             f"{p} {results[p]['step_s']:.3f} (sim {results[p]['simulated_s']:.3f})" for p in results), flush=True)
-    return out_rows, pairs
+    return out_rows, (pairs, float(np.mean([len(q.prompt_ids) for b in batches for q in b])))
 
 
 def run(json_path: str | None = None, *, quick: bool = False, traces: str | None = None) -> dict:
@@ -225,26 +241,19 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
 
         cand = run_dir_for(load_config()) / "traces.jsonl"
         trace_path = cand if cand.exists() else None
-    pairs = trace_pairs(trace_path) if trace_path is not None else []
+    pairs, prompt_len = trace_pairs(trace_path) if trace_path is not None else ([], 0.0)
     source = f"recorded ({trace_path})" if pairs else "this bench's two epochs"
     if not pairs:
-        pairs = bench_pairs
+        pairs, prompt_len = bench_pairs
     corrs = stat_correlations(pairs)
     corr = corrs["mean"]
     print(f"length traces: {source}: {len(pairs)} (previous, next) epoch pairs; rank correlation of each "
           f"statistic of the previous epoch's lengths with the next epoch's mean length: "
           + ", ".join(f"{k} {v:.3f}" for k, v in corrs.items()))
-    from rhymerl.config import load_config
-    from rhymerl.distribution.factory import profile_cost
-
-    cfg = load_config()
-    cfg.rollout.max_num_seqs = 256
-    cpu = profile_cost(model, cfg, 1)
-    cpu = StepCost(cpu.batch, cpu.seconds, cpu.prefill_per_token_s, "profiled here (1 thread/worker)")
+    cpu = profiled_cost(model, 1)
     rng = np.random.default_rng(1)
-    arith_prompt = 40.0  # tokens, about the built-in task's chat prompts
     sources = {
-        "arith_trace": (pairs, 1.0, cpu, arith_prompt),
+        "arith_trace": (pairs, 1.0, cpu, prompt_len),
         "arith_trace_x64": (pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0),
         "lognormal": (synthetic_pairs("lognormal", 4096, 16, rng), 1.0, GPU_8B_H100, 256.0),
         "heavy_tail": (synthetic_pairs("heavy_tail", 4096, 16, rng), 1.0, GPU_8B_H100, 256.0),

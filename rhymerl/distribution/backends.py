@@ -37,9 +37,16 @@ class WorkerHandle:
         raise NotImplementedError
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """A blocking call."""
+        """A blocking call; a worker silent for ``timeout`` seconds is killed (:class:`WorkerLost`)."""
         self.start(method, *args)
+        if timeout is not None and not self.wait_result(timeout):
+            self.kill()
+            raise WorkerLost(f"worker {self.index} lost: no answer to {method!r} in {timeout:.0f}s")
         return self.result()
+
+    def wait_result(self, timeout: float) -> bool:
+        """Whether the call in flight answers (or the worker dies) within ``timeout`` seconds."""
+        return True
 
 
 class WorkerPool:
@@ -167,6 +174,9 @@ class ProcessHandle(WorkerHandle):
         self.kill()
         raise WorkerLost(f"worker {self.index} lost: {why}")
 
+    def wait_result(self, timeout: float) -> bool:
+        return bool(mp_wait([self.conn, self.proc.sentinel], timeout=timeout))
+
     def kill(self) -> None:
         self.alive = False
         if self.proc.is_alive():
@@ -197,9 +207,9 @@ class ProcessPool(WorkerPool):
             proc.start()
             child.close()
             self.handles.append(ProcessHandle(i, proc, parent))
-        for h in self.handles:
+        for h in self.handles:  # each worker says it is ready once its model is loaded
             h.started_at = time.monotonic()
-            h.pid = h.result()
+            h.result()
 
     def wait(self, timeout: float) -> list[WorkerHandle]:
         busy = {h.conn: h for h in self.handles if h.alive and h.started_at is not None}
@@ -256,6 +266,11 @@ class RayHandle(WorkerHandle):
             raise WorkerLost(f"worker {self.index} lost: {type(e).__name__}") from None
         except ray.exceptions.RayTaskError as e:
             raise RuntimeError(f"worker {self.index}: {e}") from None
+
+    def wait_result(self, timeout: float) -> bool:
+        import ray
+
+        return bool(ray.wait([self.ref], timeout=timeout)[0])
 
     def kill(self) -> None:
         import ray

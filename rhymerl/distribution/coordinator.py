@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from rhymerl.distribution.backends import WorkerHandle, WorkerPool
-from rhymerl.distribution.work import WorkerLost, WorkerReport, WorkItem
+from rhymerl.distribution.work import ENGINE_COUNTERS, WorkerLost, WorkerReport, WorkItem
 from rhymerl.engine.llm_engine import EngineStats
 from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
@@ -75,7 +75,6 @@ class RolloutCoordinator:
         self.placement = placement
         self.stats = EngineStats()
         self.pipe = PipeStats()
-        self.last_plan: Plan | None = None
         self.busy_s: dict[int, float] = defaultdict(float)  # engine time per worker, cumulative
         self.on_report: Callable[[WorkerHandle, WorkerReport], None] | None = None  # test hook
         self._next_item = 0
@@ -111,7 +110,6 @@ class RolloutCoordinator:
         ``on_done(i, output)`` is called as soon as request i has all its samples.
         """
         plan = plan or self.plan(requests, step)
-        self.last_plan = plan
         outs = _StepRun(self, requests, step, plan, on_done).run()
         if self.history is not None:
             for r, o in zip(requests, outs):
@@ -215,7 +213,7 @@ class _StepRun:
 
     def absorb(self, h: WorkerHandle, rep: WorkerReport) -> None:
         st = self.co.stats
-        for k in ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s"):
+        for k in ENGINE_COUNTERS:
             setattr(st, k, getattr(st, k) + rep.stats[k])
         st.batch_sizes.extend(rep.stats["batch_sizes"])
         self.co.busy_s[h.index] += rep.stats["step_s"]
@@ -273,7 +271,7 @@ class _StepRun:
             iid = rep.waiting[-1][0]
             p = self.item_prompt.get(iid)
             samples = [s for i, s in rep.waiting if i == iid]
-            taken = [s for s in samples if h.call("abort", iid, s) is not None]
+            taken = [s for s in samples if h.call("abort", iid, s, timeout=co.worker_timeout_s) is not None]
             if taken and p is not None:
                 self.outstanding[h.index] -= len(taken)
                 self.new_item(p, taken, target.index)
@@ -292,7 +290,7 @@ class _StepRun:
         recompute = (len(self.requests[p].prompt_ids) + gen) * co.cost.prefill_per_token_s
         if (co.cost.step_s(len(rep.running)) - co.cost.step_s(1)) * gen <= recompute:
             return  # expecting as many tokens again, the move would not pay
-        got = h.call("abort", iid, s)
+        got = h.call("abort", iid, s, timeout=co.worker_timeout_s)
         if got is None:
             return
         self.outstanding[h.index] -= 1

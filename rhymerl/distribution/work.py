@@ -8,6 +8,10 @@ from rhymerl.engine.outputs import CompletionOutput
 from rhymerl.engine.sampling_params import SamplingParams
 
 
+# EngineStats counters a worker reports as deltas and the coordinator sums
+ENGINE_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s")
+
+
 @dataclass
 class WorkerSpec:
     """How to build one rollout worker (sent once, at start)."""

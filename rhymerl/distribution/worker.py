@@ -6,9 +6,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rhymerl.distribution.work import ItemResult, WorkerReport, WorkerSpec, WorkItem
-
-_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s")
+from rhymerl.distribution.work import ENGINE_COUNTERS, ItemResult, WorkerReport, WorkerSpec, WorkItem
 
 
 class RolloutWorker:
@@ -38,7 +36,7 @@ class RolloutWorker:
 
     def _counters(self) -> dict[str, float]:
         st = self.engine.stats
-        return {k: getattr(st, k) for k in _COUNTERS}
+        return {k: getattr(st, k) for k in ENGINE_COUNTERS}
 
     def ping(self) -> int:
         import os
@@ -104,7 +102,7 @@ class RolloutWorker:
             else:
                 waiting.append((item, s.sample_index))
         now = self._counters()
-        stats: dict[str, Any] = {k: now[k] - self._mark[k] for k in _COUNTERS}
+        stats: dict[str, Any] = {k: now[k] - self._mark[k] for k in ENGINE_COUNTERS}
         bs = self.engine.stats.batch_sizes
         stats["batch_sizes"] = bs[self._batch_mark:]
         self._batch_mark = len(bs)

@@ -67,8 +67,7 @@ class HistoryDrafter:
         self._build_s = 0.0
         self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
         self._global_idx: SuffixIndex | None = None
-        self._global_seen: dict[str, int] = {}  # prompt key -> revision already in the global index
-        self._global_steps: dict[str, int] = {}  # prompt key -> newest rollout step indexed
+        self._global_steps: dict[str, int] = {}  # prompt key -> newest rollout step in the global index
         self._global_version = -1
         self._global_tokens = 0
 
@@ -149,13 +148,17 @@ class HistoryDrafter:
     def _live_size(self, s: Sequence) -> int:
         return s.group_size or s.params.n
 
-    def on_finish(self, seq: Sequence) -> None:
+    def _leave_live(self, seq: Sequence) -> None:
+        """A member is done here; the live index goes once all of them are."""
         key = self._live_key(seq)
         live = self._live.get(key)
         if live is not None:
             live.finished += 1
             if live.finished >= self._live_size(seq):
                 del self._live[key]
+
+    def on_finish(self, seq: Sequence) -> None:
+        self._leave_live(seq)
         if not self.cfg.record or seq.prompt_key is None:
             return
         group = self._pending.setdefault(seq.request_id, [])
@@ -167,11 +170,7 @@ class HistoryDrafter:
 
     def on_abort(self, seq: Sequence) -> None:
         """A sample left this engine unfinished (moved to another worker): not recorded."""
-        live = self._live.get(self._live_key(seq))
-        if live is not None:
-            live.finished += 1
-            if live.finished >= self._live_size(seq):
-                del self._live[self._live_key(seq)]
+        self._leave_live(seq)
 
     # --- drafting -----------------------------------------------------------------------
     def _draft(self, s: Sequence, cap: int) -> DraftTree | None:
@@ -233,20 +232,15 @@ class HistoryDrafter:
             return self._global_idx
         t0 = time.perf_counter()
         if self._global_idx is None or self._global_tokens > 2 * st.total_tokens + 4096:
-            self._global_idx, self._global_tokens = SuffixIndex(), 0
-            self._global_seen, self._global_steps = {}, {}
+            self._global_idx, self._global_tokens, self._global_steps = SuffixIndex(), 0, {}
         for key, h in st.prompts.items():
-            if self._global_seen.get(key) == h.revision:
-                continue
             newest = self._global_steps.get(key, -1)
             for r in h.rollouts:
-                if r.step <= newest:
-                    continue
-                for resp in r.responses:
-                    self._global_idx.add(list(resp), final=True)
-                    self._global_tokens += len(resp)
-            self._global_seen[key] = h.revision
-            self._global_steps[key] = max((r.step for r in h.rollouts), default=-1)
+                if r.step > newest:
+                    for resp in r.responses:
+                        self._global_idx.add(list(resp), final=True)
+                        self._global_tokens += len(resp)
+                    self._global_steps[key] = r.step
         self._global_version = st.version
         self._build_s += time.perf_counter() - t0
         return self._global_idx if len(self._global_idx) else None
@@ -294,7 +288,6 @@ class SuffixDecodingDrafter(HistoryDrafter):
         cfg.global_fallback = False  # the peer's own sources only
         super().__init__(cfg, store)
         self.per_prompt = per_prompt
-        self._global: tuple[int, SuffixIndex] | None = None
 
     def _live_key(self, s: Sequence) -> object:
         return (s.request_id, s.sample_index)
@@ -307,16 +300,8 @@ class SuffixDecodingDrafter(HistoryDrafter):
         return list(response)
 
     def _history_index(self, key: str) -> SuffixIndex | None:
-        if self.per_prompt:
-            return super()._history_index(key)
-        if self._global is None or self._global[0] != self.store.version:
-            idx = SuffixIndex()
-            for h in self.store.prompts.values():
-                for r in h.rollouts:
-                    for resp in r.responses:
-                        idx.add(list(resp), final=True)
-            self._global = (self.store.version, idx)
-        return self._global[1]
+        # the global tree is HistoSpec's fallback index: every stored response, no prompt prefix
+        return super()._history_index(key) if self.per_prompt else self._global_index()
 
 
 def _truncate(d: DraftTree, k: int) -> DraftTree:

@@ -179,10 +179,9 @@ class LLMEngine:
                   if not g[0].resumed and g[0].request_id in holder}
         kept = self.runner.prompt_logits
         if kept:
-            waiting = {s.request_id for s in self.scheduler.waiting}
-            for rid in list(kept):
-                if rid not in waiting and rid not in {g[0].request_id for g in groups}:
-                    del kept[rid]
+            still = {s.request_id for s in self.scheduler.waiting} | {g[0].request_id for g in groups}
+            for rid in [r for r in kept if r not in still]:
+                del kept[rid]
         return cached
 
     def _check_stop(self, s: Sequence, n_new: int) -> bool:

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,16 @@ from rhymerl.data import PromptRow
 from rhymerl.data.loader import PromptLoader
 from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_device, resolve_dtype
-from rhymerl.engine import SamplingParams
+from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.model import load_pretrained
 from rhymerl.rewards import RewardRegistry, load_reward_file
 from rhymerl.tokenizer import encode_prompt, load_tokenizer, tokenizer_fingerprint
-from rhymerl.training.algos import ADV_ESTIMATORS, overlong_penalty
-from rhymerl.training.checkpoint import latest_checkpoint, load_checkpoint_into, save_checkpoint
+from rhymerl.training.algos import ADV_ESTIMATORS, kl_penalty, overlong_penalty
+from rhymerl.training.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_into,
+    save_checkpoint,
+)
 from rhymerl.training.evaluate import evaluate
 from rhymerl.training.metrics import MetricsLogger, plot_run, read_metrics
 from rhymerl.training.sft import CARD, print_card, run_sft, sft_output_dir
@@ -60,6 +65,20 @@ def rollout_seed(seed: int, step: int, key: str) -> int:
 
 def run_dir_for(cfg: RunConfig) -> Path:
     return Path(cfg.trainer.output_dir.format(task=cfg.data.task, seed=cfg.seed))
+
+
+@dataclass
+class ScoredRollout:
+    """One batch of prompts generated and scored (samples in the order of each output)."""
+
+    rows: list[PromptRow]
+    outs: list[RequestOutput]
+    scores: list[list[float]]
+    errors: int  # reward functions that raised (scored 0)
+    extras: dict[str, list[float]]  # extra values reward functions returned
+    predicted: list[float | None]  # HistoPipe's length prediction per prompt (None: no history)
+    gen_s: float  # generation time, the reward time overlapping it excluded
+    reward_s: float
 
 
 class RLRun:
@@ -131,7 +150,7 @@ class RLRun:
         return True
 
     # --- one step ------------------------------------------------------------------------------
-    def _rollout(self, rows: list[PromptRow], step: int) -> tuple[list, list, list[list[float]], int, dict]:
+    def _rollout(self, rows: list[PromptRow], step: int) -> ScoredRollout:
         """Generate for ``rows`` and score each prompt as soon as its samples are all back."""
         from rhymerl.distribution import RolloutRequest
 
@@ -140,7 +159,7 @@ class RLRun:
                                SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                               max_tokens=r.max_tokens),
                                rollout_seed(self.cfg.seed, step, row.key), row.key) for row in rows]
-        scored: dict[int, tuple[list[float], int, dict[str, list[float]]]] = {}
+        scored: dict[int, tuple[list[list[float]], int, dict[str, list[float]]]] = {}
         reward_s = 0.0
 
         def on_done(i: int, out) -> None:
@@ -149,16 +168,16 @@ class RLRun:
             scored[i] = self._score([rows[i]], [out])
             reward_s += time.perf_counter() - t
 
-        self._predicted = self._predict(rows)
+        predicted = self._predict(rows)  # before this step's lengths join the history
+        t = time.perf_counter()
         outs = self.rollout.rollout(reqs, step, on_done=on_done)
-        self._reward_s += reward_s
-        scores = [scored[i][0][0] for i in range(len(rows))]
-        errors = sum(scored[i][1] for i in range(len(rows)))
         extras: dict[str, list[float]] = {}
         for i in range(len(rows)):
             for k, v in scored[i][2].items():
                 extras.setdefault(k, []).extend(v)
-        return rows, outs, scores, errors, extras
+        return ScoredRollout(rows, outs, [scored[i][0][0] for i in range(len(rows))],
+                             sum(scored[i][1] for i in range(len(rows))), extras, predicted,
+                             gen_s=time.perf_counter() - t - reward_s, reward_s=reward_s)
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
         """HistoPipe's length prediction per prompt (None without history), for the trace."""
@@ -196,12 +215,10 @@ class RLRun:
         st = self.rollout.stats
         s0 = (st.forwards, sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated)
         p0 = vars(self.rollout.pipe).copy()
-        self._reward_s = 0.0
-        t = time.perf_counter()
-        rows, outs, scores, errors, extras = self._rollout(self.loader.next_batch(), step)
-        predicted = self._predicted
+        first = self._rollout(self.loader.next_batch(), step)
+        rows, outs, scores, errors, extras = first.rows, first.outs, first.scores, first.errors, first.extras
         # rewards ran while other prompts were still generating: rollout time excludes them
-        gen_s = time.perf_counter() - t - self._reward_s
+        gen_s, reward_s = first.gen_s, first.reward_s
         kept_rows, kept_outs, kept_scores = rows, outs, scores
         filtered = 0
         if algo.dynamic_sampling:  # DAPO: drop groups that teach nothing, draw more (bounded)
@@ -213,12 +230,11 @@ class RLRun:
             for _ in range(algo.max_resample_batches):
                 if len(kept_rows) >= cfg.trainer.batch_prompts:
                     break
-                t = time.perf_counter()
-                r0 = self._reward_s
-                more_rows, more_outs, more_scores, e2, _ = self._rollout(self.loader.next_batch(), step)
-                gen_s += time.perf_counter() - t - (self._reward_s - r0)
-                errors += e2
-                for r_, o_, s_ in zip(more_rows, more_outs, more_scores):
+                more = self._rollout(self.loader.next_batch(), step)
+                gen_s += more.gen_s
+                reward_s += more.reward_s
+                errors += more.errors
+                for r_, o_, s_ in zip(more.rows, more.outs, more.scores):
                     if max(s_) != min(s_):
                         kept_rows.append(r_)
                         kept_outs.append(o_)
@@ -230,7 +246,7 @@ class RLRun:
             for row, g in zip(rows, scores):
                 self.history.set_rewards(row.key, step, g)
 
-        prompts, responses, flat_scores, groups, lengths, clipped = [], [], [], [], [], []
+        prompts, responses, flat_scores, groups, lengths = [], [], [], [], []
         for gi, (o, g) in enumerate(zip(kept_outs, kept_scores)):
             for c, s in zip(o.outputs, g):
                 prompts.append(o.prompt_token_ids)
@@ -238,18 +254,23 @@ class RLRun:
                 flat_scores.append(s)
                 groups.append(gi)
                 lengths.append(len(c.token_ids))
-                clipped.append(c.finish_reason == "length")
         score_t = torch.tensor(flat_scores, dtype=torch.float32)
         reward_t = score_t + overlong_penalty(torch.tensor(lengths), cfg.rollout.max_tokens, algo.overlong_buffer,
                                               algo.overlong_penalty)
         metrics: dict[str, Any] = {}
         if responses:
-            adv = ADV_ESTIMATORS[algo.adv_estimator](reward_t, torch.tensor(groups),
-                                                     norm_by_std=algo.norm_adv_by_std)
-            exp = Experience.build(prompts, responses, adv.tolist(), self.tokenizer.pad_token_id or 0)
+            exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0)
             t = time.perf_counter()
             self.trainer.compute_logps(exp)
             old_s = time.perf_counter() - t
+            if algo.use_kl_in_reward and exp.ref_logp is not None and exp.old_logp is not None:
+                # verl's in-reward KL: each response's reward pays kl_coef x its summed token KL
+                seq_kl = (kl_penalty(exp.old_logp, exp.ref_logp, algo.kl_type) * exp.response_mask).sum(-1)
+                reward_t = reward_t - algo.kl_coef * seq_kl
+                metrics["critic/kl_in_reward"] = float(seq_kl.mean())
+            adv = ADV_ESTIMATORS[algo.adv_estimator](reward_t, torch.tensor(groups),
+                                                     norm_by_std=algo.norm_adv_by_std)
+            exp.advantages = adv.float()
             t = time.perf_counter()
             metrics.update(self.trainer.update(exp, step, cfg.seed))
             upd_s = time.perf_counter() - t
@@ -259,7 +280,6 @@ class RLRun:
         t = time.perf_counter()
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
         sync_s = time.perf_counter() - t
-        reward_s = self._reward_s
         step_s = time.perf_counter() - t_step
 
         all_scores = [s for g in scores for s in g]
@@ -298,13 +318,13 @@ class RLRun:
         metrics.update({f"pipe/{k}": pipe[k] - p0[k] for k in pipe})
         metrics["pipe/workers"] = self.rollout.num_workers
         true_mean = [float(np.mean([len(c.token_ids) for c in o.outputs])) for o in outs]
-        known = [(p, t) for p, t in zip(predicted, true_mean) if p is not None]
+        known = [(p, t) for p, t in zip(first.predicted, true_mean) if p is not None]
         if len(known) >= 3:
             from rhymerl.scheduling import spearman
 
             metrics["pipe/length_rank_corr"] = spearman([k[0] for k in known], [k[1] for k in known])
         with open(self.run_dir / "traces.jsonl", "a") as f:  # per-sample lengths: what `bench pipe` replays
-            f.write(json.dumps({"step": step, "keys": [row.key for row in rows], "predicted": predicted,
+            f.write(json.dumps({"step": step, "keys": [row.key for row in rows], "predicted": first.predicted,
                                 "prompt_lens": [len(o.prompt_token_ids) for o in outs],
                                 "lengths": [[len(c.token_ids) for c in o.outputs] for o in outs],
                                 "forwards": [[c.num_forwards for c in o.outputs] for o in outs],

@@ -71,6 +71,11 @@ class PolicyTrainer:
         """One optimizer step per rollout: the sampling policy is the one being updated."""
         return self.cfg.ppo_epochs * self.cfg.ppo_mini_batches == 1
 
+    @property
+    def needs_old_logp(self) -> bool:
+        """Old log-probs are needed by several updates per rollout, or by a KL in the reward."""
+        return not self.single_update or (self.ref is not None and self.algo.use_kl_in_reward)
+
     @torch.no_grad()
     def compute_logps(self, exp: Experience) -> None:
         """Old (and reference) log-probs, recomputed by the trainer as verl does.
@@ -80,7 +85,7 @@ class PolicyTrainer:
         """
         self.model.eval()
         N, W = exp.response_mask.shape
-        exp.old_logp = None if self.single_update else torch.zeros(N, W)
+        exp.old_logp = torch.zeros(N, W) if self.needs_old_logp else None
         exp.ref_logp = torch.zeros(N, W) if self.ref is not None else None
         if exp.old_logp is None and exp.ref_logp is None:
             return
