@@ -185,3 +185,57 @@ def test_siblings_admitted_later_reuse_the_prompt(model):
     assert len({len(t) for o in ref for t in o}) > 1
     assert narrow.engine.runner.reused_prompts > 0
     assert len(narrow.engine.runner.prompt_logits) <= len(prompts)
+
+
+def _naive_walk(sampled: list[int], tokens: list[int], parents: list[int]) -> list[int]:
+    """The acceptance rule read literally: from the root, step to the child carrying the drawn token."""
+    path, cur = [0], 0
+    while True:
+        nxt = [c for c in range(1, len(tokens)) if parents[c] == cur and tokens[c] == sampled[cur]]
+        if not nxt:
+            return path
+        cur = nxt[0]
+        path.append(cur)
+
+
+def test_walk_tree_matches_the_literal_walk_on_random_trees():
+    from rhymerl.engine.acceptance import ancestors, walk_tree
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        chain = trial % 2 == 0
+        B, V = 5, 3  # a tiny vocabulary so that many drafts are accepted
+        rows = []
+        for _ in range(B):
+            n = int(torch.randint(0, 12, (1,), generator=g))
+            toks: list[int] = []
+            pars: list[int] = []
+            for i in range(n):
+                if chain:
+                    p = i - 1
+                else:
+                    p = int(torch.randint(-1, i, (1,), generator=g)) if i else -1
+                free = [t for t in range(V) if (p, t) not in set(zip(pars, toks))]
+                if not free:
+                    break
+                pars.append(p)
+                toks.append(free[int(torch.randint(0, len(free), (1,), generator=g))])
+            rows.append(DraftTree(tuple(toks), tuple(pars)))
+        T = 1 + max(len(d) for d in rows)
+        tok = torch.full((B, T), -1)
+        par = torch.full((B, T), -1)
+        dep = torch.zeros(B, T, dtype=torch.long)
+        for b, d in enumerate(rows):
+            tok[b, 0] = 0
+            for i, (t, p, dd) in enumerate(zip(d.tokens, d.parents, d.depths)):
+                tok[b, i + 1], par[b, i + 1], dep[b, i + 1] = t, p + 1, dd
+        sampled = torch.randint(0, V, (B, T), generator=g)
+        max_depth = int(dep.max())
+        assert all(d.is_path for d in rows) or not chain
+        path, n_acc = walk_tree(sampled, tok, par, dep, ancestors(par, max_depth, chain=chain), max_depth)
+        for b in range(B):
+            want = _naive_walk(sampled[b].tolist(), tok[b].tolist(), par[b].tolist())
+            n = len(want) - 1
+            assert int(n_acc[b]) == n
+            assert path[b, : n + 1].tolist() == want
+            assert (path[b, n + 1:] == want[-1]).all()

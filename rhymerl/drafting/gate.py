@@ -7,6 +7,8 @@ speculate little; the drained long tail speculates a lot.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from rhymerl.engine.cost_model import CostModel
 
 CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -30,13 +32,16 @@ def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: 
     if cost is None or not lengths:
         return max_k
     B = len(lengths)
+    counts = Counter(lengths)
+    top = max(counts)
+    # f(m) for every draft length once; rows with equal lengths are summed together.
+    f = [expected_accepted(alpha, m) for m in range(min(top, max_k) + 1)]
     best_k, best_rate = 0, B / cost.cost(B, 1)
     for k in CANDIDATES:
         if k == 0 or k > max_k:
             continue
-        width = min(k, max(lengths))
-        gain = B + sum(expected_accepted(alpha, min(k, n)) for n in lengths)
-        rate = gain / (cost.cost(B, width + 1) * overhead)
+        gain = B + sum(f[min(k, n)] * c for n, c in counts.items())
+        rate = gain / (cost.cost(B, min(k, top) + 1) * overhead)
         if rate > best_rate * 1.02:  # a margin: do not speculate for a rounding error
             best_k, best_rate = k, rate
     return best_k

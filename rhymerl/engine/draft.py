@@ -19,6 +19,7 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     depths: tuple[int, ...] = field(init=False, repr=False, compare=False)  # 1 for children of the root
+    is_path: bool = field(init=False, repr=False, compare=False)  # a chain: node i's parent is i - 1
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -33,6 +34,7 @@ class DraftTree:
             seen.add((p, t))
             depths.append(1 if p < 0 else depths[p] + 1)
         object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "is_path", all(d == i + 1 for i, d in enumerate(depths)))
 
     @property
     def depth(self) -> int:

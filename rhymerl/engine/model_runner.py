@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rhymerl.engine.acceptance import walk_tree
+from rhymerl.engine.acceptance import ancestors, walk_tree
 from rhymerl.engine.draft import DraftTree
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampler import SamplingBatch, sample
@@ -149,8 +149,11 @@ class ModelRunner:
         positions = (lens.unsqueeze(1) + depth).to(dev)
         write_pos = (lens.unsqueeze(1) + torch.arange(T)).to(dev)
         kv_len = int(lens.max()) + T
-        mask = self._tree_mask(lens.to(dev), parents.to(dev), kv_len, max_depth)
-        view = self.cache.view(0, B, write_pos, mask)
+        chain = T == 1 or all(d is None or d.is_path for d in drafts)  # type: ignore[union-attr]
+        parents_d = parents.to(dev)
+        anc = ancestors(parents_d, max_depth, chain=chain)
+        lens_d = lens.to(dev)
+        view = self.cache.view(0, B, write_pos, self._tree_mask(lens_d, anc, kv_len))
         logits = self.model(ids.to(dev), positions, view)  # [B, T, V]
         self.num_forwards += 1
         out_pos = gen.unsqueeze(1) + depth  # index of the output token drawn at each node
@@ -162,36 +165,29 @@ class ModelRunner:
             for s in seqs:
                 s.cache_len += 1
             return DecodeResult(emit_tok, emit_lp, [0] * B, [0] * B)
-        tokens_d, parents_d = tokens.to(dev), parents.to(dev)
-        path, n_acc = walk_tree(drawn, tokens_d, parents_d, max_depth)
-        self._keep_paths(lens.to(dev), path, n_acc)
-        path_c, n_acc_c = path.cpu(), n_acc.cpu().tolist()
-        tok_c, drawn_c, lp_c = tokens.tolist(), drawn.cpu(), logps.cpu()
+        tokens_d = tokens.to(dev)
+        path, n_acc = walk_tree(drawn, tokens_d, parents_d, depth.to(dev), anc, max_depth)
+        self._keep_paths(lens_d, path, n_acc)
+        # Emitted: the accepted drafts (tokens on the path after the root), then the token drawn
+        # at the last accepted node; the log-prob of each is that drawn at its parent.
+        final = drawn.gather(1, path.gather(1, n_acc.unsqueeze(1)))
+        emit = torch.cat([tokens_d.gather(1, path[:, 1:]), final], 1).scatter_(1, n_acc.unsqueeze(1), final)
+        emit_c, lp_c = emit.tolist(), logps.gather(1, path).tolist()
+        n_acc_c = n_acc.tolist()
         out_tok, out_lp = [], []
         for b, s in enumerate(seqs):
             n = n_acc_c[b]
-            nodes = path_c[b, : n + 1].tolist()
-            emit = [tok_c[b][i] for i in nodes[1:]] + [int(drawn_c[b, nodes[-1]])]
-            # Log-prob of an accepted draft token is that of the token drawn at its parent.
-            out_tok.append(emit)
-            out_lp.append([float(lp_c[b, i]) for i in nodes])
+            out_tok.append(emit_c[b][: n + 1])
+            out_lp.append(lp_c[b][: n + 1])
             s.cache_len += n + 1
         return DecodeResult(out_tok, out_lp, n_nodes, n_acc_c)
 
-    def _tree_mask(self, lens: torch.Tensor, parents: torch.Tensor, kv_len: int, max_depth: int) -> torch.Tensor:
+    def _tree_mask(self, lens: torch.Tensor, anc: torch.Tensor, kv_len: int) -> torch.Tensor:
         """``[B, 1, T, kv_len]``: the cached prefix plus each node's ancestors (and itself)."""
-        B, T = parents.shape
+        B, T, _ = anc.shape
         dev = lens.device
         mask = torch.arange(kv_len, device=dev).view(1, 1, kv_len) < lens.view(B, 1, 1)
         mask = mask.expand(B, T, kv_len).clone()
-        nodes = torch.arange(T, device=dev).expand(B, T)
-        anc = torch.zeros(B, T, T, dtype=torch.bool, device=dev)
-        anc.scatter_(2, nodes.unsqueeze(2), True)
-        cur = nodes
-        safe_par = parents.clamp(min=0)
-        for _ in range(max_depth):
-            cur = safe_par.gather(1, cur)
-            anc.scatter_(2, cur.unsqueeze(2), True)
         cols = (lens.unsqueeze(1) + torch.arange(T, device=dev)).unsqueeze(1).expand(B, T, T)
         mask.scatter_(2, cols, anc)
         return mask.unsqueeze(1)
