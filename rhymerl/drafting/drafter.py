@@ -45,6 +45,7 @@ class _Live:
     index: SuffixIndex
     members: dict[int, tuple[int, Sequence]] = field(default_factory=dict)  # sample -> (id in index, seq)
     finished: int = 0
+    synced: int = -1  # the drafter's propose() call its members' tokens were last indexed at
 
 
 class HistoryDrafter:
@@ -66,6 +67,7 @@ class HistoryDrafter:
         self._last_depth: dict[int, int] = {}
         self._build_s = 0.0
         self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
+        self._tick = 0  # propose() calls so far
         self._global_idx: SuffixIndex | None = None
         self._global_steps: dict[str, int] = {}  # prompt key -> newest rollout step in the global index
         self._global_version = -1
@@ -94,6 +96,7 @@ class HistoryDrafter:
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
         cfg = self.cfg
+        self._tick += 1
         caps = []
         for s in seqs:
             if s.draft_len == 0:
@@ -104,12 +107,15 @@ class HistoryDrafter:
         alpha = self.acceptance.alpha
         over = self.overhead.factor(len(seqs))
         # Before drafting anything: would drafts as full as they have recently been pay at
-        # this batch size? If not, skip the drafting work altogether.
+        # this batch size, and up to how many tokens? Skip the drafting work that cannot pay.
         expect = [round(c * self._fill) for c in caps]
-        if cfg.gate and best_width(self.cost_model, expect, alpha, self.cap, over) == 0:
+        k_pre = best_width(self.cost_model, expect, alpha, self.cap, over) if cfg.gate else self.cap
+        if k_pre == 0:
             # drift back toward full drafts, so that skipping does not become permanent
             self._fill = 0.95 * self._fill + 0.05
             return [None] * len(seqs)
+        if k_pre < max(expect):  # the gate would cut even drafts of the expected length here
+            caps = [min(c, k_pre) for c in caps]
         drafts: list[DraftTree | None] = []
         lengths: list[int] = []
         for s, cap in zip(seqs, caps):
@@ -120,6 +126,9 @@ class HistoryDrafter:
             self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / sum(caps))
         k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
         if k == 0:
+            # The drafts found do not pay: expect less next time, so that the check above skips
+            # the drafting work until drafts may have grown (it drifts back up).
+            self._fill *= 0.5
             return [None] * len(seqs)
         out = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
         if cfg.tree_budget > 0:
@@ -259,7 +268,11 @@ class HistoryDrafter:
                 live.members[s.sample_index] = (live.index.add(list(tail), final=False), s)
 
     def _sync_live(self, live: _Live) -> None:
-        """Index the tokens the live members emitted since the last sync."""
+        """Index the tokens the live members emitted since the last sync (once per step: every
+        member of a group drafts from the same index)."""
+        if live.synced == self._tick:
+            return
+        live.synced = self._tick
         for sid, s in live.members.values():
             toks = live.index.seqs[sid]
             have = len(toks) - min(len(s.prompt_ids), self.cfg.pattern_max)
