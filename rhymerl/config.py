@@ -108,15 +108,19 @@ class AlgorithmSection:
     kl_type: str = "low_var_kl"
     use_kl_in_reward: bool = False  # True: kl_coef x summed token KL off each reward (verl), not a loss term
     entropy_coef: float = 0.0
-    dynamic_sampling: bool = False
-    max_resample_batches: int = 3
+    # DAPO's dynamic sampling: groups whose rewards are all equal (no GRPO advantage) are
+    # dropped; up to max_resample_batches more batches are drawn to refill the batch. The
+    # built-in recipe filters without refilling: the dropped groups would only have cost their
+    # old-log-prob and update compute (measured: 1.75 -> 1.30 s per step at equal learning).
+    dynamic_sampling: bool = True
+    max_resample_batches: int = 0
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
 
 @dataclass
 class TrainerSection:
-    steps: int = 100
+    steps: int = 150
     batch_prompts: int = 32
     lr: float = 2e-4
     warmup_steps: int = 0

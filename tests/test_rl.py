@@ -21,7 +21,8 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         "sft.eval_prompts=8", "data.num_val=8", "data.num_train=6", "trainer.batch_prompts=4", "rollout.n=2",
         "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
         "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "rollout.speculative.max_draft=4"]
+        "rollout.speculative.max_draft=4",
+        "algorithm.dynamic_sampling=false"]  # 2 samples per group: the default filter would drop most groups
 SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/")
 
 
@@ -96,6 +97,31 @@ def test_kl_in_reward_replaces_the_kl_loss(base_model, tmp_path):
     assert rew[0]["critic/kl_in_reward"] == pytest.approx(0.0, abs=1e-4)
     assert rew[1]["critic/kl_in_reward"] > 0
     assert rew[1]["critic/rewards/mean"] < rew[1]["critic/score/mean"]
+
+
+def test_dynamic_sampling_filter_drops_groups_without_advantage(base_model, tmp_path):
+    from rhymerl.training.rl import train
+
+    # the same reward for every sample of a prompt: no group carries a GRPO advantage
+    per_prompt = tmp_path / "per_prompt.py"
+    per_prompt.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                          "    return float(int(ground_truth) % 2)\n")
+    parity = tmp_path / "parity.py"  # varies within groups
+    parity.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    return float(len(solution_str) % 2)\n")
+    ov = ["trainer.steps=2", "trainer.eval_every=100", "algorithm.dynamic_sampling=true",
+          "algorithm.max_resample_batches=0"]
+    train(load_config(None, _overrides(base_model, tmp_path / "flat") + ov + [f"data.reward_file={per_prompt}"]),
+          progress=False)
+    train(load_config(None, _overrides(base_model, tmp_path / "mixed") + ov + [f"data.reward_file={parity}"]),
+          progress=False)
+    flat = [r for r in read_metrics(tmp_path / "flat" / "metrics.jsonl") if "timing_s/step" in r]
+    mixed = [r for r in read_metrics(tmp_path / "mixed" / "metrics.jsonl") if "timing_s/step" in r]
+    assert all(r["data/filtered_groups"] == 4 and "actor/pg_loss" not in r for r in flat)  # nothing to learn
+    for r in mixed:
+        kept = 4 - r["data/filtered_groups"]
+        assert ("actor/pg_loss" in r) == (kept > 0)
+    assert any("actor/pg_loss" in r for r in mixed)
 
 
 @pytest.mark.slow
