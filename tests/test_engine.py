@@ -232,10 +232,14 @@ def test_walk_tree_matches_the_literal_walk_on_random_trees():
         sampled = torch.randint(0, V, (B, T), generator=g)
         max_depth = int(dep.max())
         assert all(d.is_path for d in rows) or not chain
-        path, n_acc = walk_tree(sampled, tok, par, dep, ancestors(par, max_depth, chain=chain), max_depth)
-        for b in range(B):
-            want = _naive_walk(sampled[b].tolist(), tok[b].tolist(), par[b].tolist())
-            n = len(want) - 1
-            assert int(n_acc[b]) == n
-            assert path[b, : n + 1].tolist() == want
-            assert (path[b, n + 1:] == want[-1]).all()
+        # the general walk on every tree; for path drafts also the chain shortcut
+        ways = [walk_tree(sampled, tok, par, dep, ancestors(par, max_depth), max_depth)]
+        if chain:
+            ways.append(walk_tree(sampled, tok, par, dep, ancestors(par, max_depth, chain=True), max_depth, chain=True))
+        for path, n_acc in ways:
+            for b in range(B):
+                want = _naive_walk(sampled[b].tolist(), tok[b].tolist(), par[b].tolist())
+                n = len(want) - 1
+                assert int(n_acc[b]) == n
+                assert path[b, : n + 1].tolist() == want
+                assert (path[b, n + 1:] == want[-1]).all()

@@ -73,7 +73,7 @@ def _proposer(method: str, store: HistoryStore, max_draft: int):
 
 def run(json_path: str | None = None, *, model: str | None = None, prompts: int = 64, n: int = 8,
         epochs: int = 3, max_num_seqs: int = 64, max_tokens: int = 160, temperatures=(1.0, 0.6),
-        max_draft: int = 16, reps: int = 2, quick: bool = False) -> dict[str, Any]:
+        max_draft: int = 16, reps: int = 3, quick: bool = False) -> dict[str, Any]:
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
 

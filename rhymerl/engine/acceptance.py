@@ -39,7 +39,7 @@ def ancestors(parents: torch.Tensor, max_depth: int, chain: bool = False) -> tor
 
 
 def walk_tree(sampled: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
-              anc: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+              anc: torch.Tensor, max_depth: int, chain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepted path through each row's tree.
 
     Args:
@@ -50,6 +50,8 @@ def walk_tree(sampled: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
         depth: ``[B, T]`` each node's depth (0 for the root).
         anc: ``[B, T, T]`` from :func:`ancestors`.
         max_depth: the deepest draft node's depth.
+        chain: every row is a path draft (node ``i`` follows node ``i - 1``), as for
+            :func:`ancestors`: the walk is then the run of matches from the root.
 
     Returns:
         ``path [B, max_depth + 1]`` node indices from the root (entries past the accepted
@@ -58,6 +60,11 @@ def walk_tree(sampled: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
     """
     B, T = tokens.shape
     D = max_depth
+    if chain:
+        ok = (tokens[:, 1 : D + 1] == sampled[:, :D]).to(torch.long)
+        n_acc = ok.cumprod(1).sum(1)
+        steps = torch.arange(D + 1, device=tokens.device)
+        return torch.minimum(steps.unsqueeze(0), n_acc.unsqueeze(1)), n_acc
     edge_ok = tokens == sampled.gather(1, parents.clamp(min=0))
     edge_ok[:, 0] = True  # the root is always "accepted"
     # Siblings carry distinct tokens, so at most one node per depth is on the path.

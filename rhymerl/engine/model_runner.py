@@ -33,19 +33,13 @@ class DecodeResult:
 def _sampling_batch(seqs: list[Sequence], positions: torch.Tensor, device: torch.device) -> SamplingBatch:
     """Parameters for rows laid out ``[len(seqs), K]`` (flattened), output positions given."""
     K = positions.shape[1]
-    p = [s.params for s in seqs]
-
-    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(K)
-
-    return SamplingBatch(
-        temperature=col([x.temperature for x in p], torch.float32),
-        top_p=col([x.top_p for x in p], torch.float32),
-        top_k=col([x.top_k for x in p], torch.long),
-        seed=col([s.seed for s in seqs], torch.long),
-        sample=col([s.sample_index for s in seqs], torch.long),
-        position=positions.reshape(-1).to(device),
-    )
+    # Two tensors (float and integer columns) rather than one per parameter: this runs every step.
+    f = torch.tensor([(s.params.temperature, s.params.top_p) for s in seqs], dtype=torch.float32)
+    i = torch.tensor([(s.params.top_k, s.seed, s.sample_index) for s in seqs], dtype=torch.long)
+    f = f.repeat_interleave(K, dim=0).to(device)
+    i = i.repeat_interleave(K, dim=0).to(device)
+    return SamplingBatch(temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], seed=i[:, 1], sample=i[:, 2],
+                         position=positions.reshape(-1).to(device))
 
 
 class ModelRunner:
@@ -166,7 +160,7 @@ class ModelRunner:
                 s.cache_len += 1
             return DecodeResult(emit_tok, emit_lp, [0] * B, [0] * B)
         tokens_d = tokens.to(dev)
-        path, n_acc = walk_tree(drawn, tokens_d, parents_d, depth.to(dev), anc, max_depth)
+        path, n_acc = walk_tree(drawn, tokens_d, parents_d, depth.to(dev), anc, max_depth, chain=chain)
         self._keep_paths(lens_d, path, n_acc)
         # Emitted: the accepted drafts (tokens on the path after the root), then the token drawn
         # at the last accepted node; the log-prob of each is that drawn at its parent.

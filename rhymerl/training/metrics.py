@@ -67,9 +67,12 @@ def plot_run(run_dir: Path) -> list[Path]:
     ax.plot(*series("critic/score/mean"), label="train reward (mean)")
     xs, ys = series("val/accuracy")
     ax.plot(xs, ys, "o-", label="held-out greedy accuracy")
+    xs, ys = series("val/accuracy_sampled")
+    if xs:
+        ax.plot(xs, ys, "s--", label="held-out sampled accuracy (avg@4)")
     ax.set_title("reward and accuracy")
     ax.set_xlabel("step")
-    ax.legend()
+    ax.legend(fontsize="small")
     ax = axes[0, 1]
     ax.plot(*series("response_length/mean"), label="mean")
     ax.plot(*series("response_length/max"), label="max")
