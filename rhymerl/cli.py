@@ -55,6 +55,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         kw = {"max_num_seqs": ns.max_num_seqs} if ns.max_num_seqs else {}
         if ns.prompts:
             kw["prompts"] = ns.prompts
+        if ns.no_gate:
+            kw["gate"] = False
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
     b.add_argument("--prompts", type=int, help="spec: how many prompts (default 64)")
+    b.add_argument("--no-gate", action="store_true",
+                   help="spec: drafters without the batch gate (tokens per forward of the draft sources alone)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")

@@ -12,10 +12,11 @@ from rhymerl.engine.sequence import Sequence
 
 
 class ArcticSuffixDrafter(HistoryDrafter):
-    def __init__(self, store: HistoryStore, *, per_prompt: bool, max_draft: int = 16) -> None:
+    def __init__(self, store: HistoryStore, *, per_prompt: bool, max_draft: int = 16, gate: bool = True) -> None:
         from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401  (ImportError = skip)
 
-        super().__init__(DrafterConfig(max_draft=max_draft, record=False, siblings=False, use_history=False))
+        super().__init__(DrafterConfig(max_draft=max_draft, record=False, siblings=False, use_history=False,
+                                       gate=gate))
         self._cls = SuffixDecodingCache
         self.per_prompt = per_prompt
         self.caches: dict[str, object] = {}

@@ -175,7 +175,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
                  for i in range(R)]
         pool = make_pool("local", specs, named)
-        co = RolloutCoordinator(pool, history=store, cost=sim_cost, max_num_seqs=256, slice_s=0.02)
+        co = RolloutCoordinator(pool, history=store, cost=sim_cost, max_num_seqs=256, slice_s=0.05)
         warm = requests(rows_data[: 4 * R], 0)
         co.history = None  # epoch 2 must not leak into the next policy's predictions
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))

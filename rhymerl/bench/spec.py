@@ -49,31 +49,36 @@ def rank_moves(prev_len: list[float], cur_len: list[float], groups: int = 4) -> 
     return float(np.mean(g_prev != g_cur))
 
 
-def _proposer(method: str, store: HistoryStore, max_draft: int):
+def _proposer(method: str, store: HistoryStore, max_draft: int, gate: bool = True):
     if method == "none":
         return None
     if method == "ngram":
-        return NgramDrafter(DrafterConfig(max_draft=max_draft))
+        return NgramDrafter(DrafterConfig(max_draft=max_draft, gate=gate))
     if method == "histospec_path":
-        return HistoryDrafter(DrafterConfig(max_draft=max_draft, record=False), store)
+        return HistoryDrafter(DrafterConfig(max_draft=max_draft, record=False, gate=gate), store)
     if method == "histospec_tree":
-        return HistoryDrafter(DrafterConfig(max_draft=max_draft, tree_budget=2 * max_draft, record=False), store)
+        return HistoryDrafter(DrafterConfig(max_draft=max_draft, tree_budget=2 * max_draft, record=False, gate=gate),
+                              store)
     if method in ("suffix_global", "suffix_per_prompt"):
         try:
             from rhymerl.bench.arctic import ArcticSuffixDrafter
 
-            return ArcticSuffixDrafter(store, per_prompt=method == "suffix_per_prompt", max_draft=max_draft)
+            return ArcticSuffixDrafter(store, per_prompt=method == "suffix_per_prompt", max_draft=max_draft,
+                                       gate=gate)
         except ImportError:  # arctic-inference not installed: our re-implementation of its sources
             from rhymerl.drafting.drafter import SuffixDecodingDrafter
 
             return SuffixDecodingDrafter(store, per_prompt=method == "suffix_per_prompt",
-                                         cfg=DrafterConfig(max_draft=max_draft))
+                                         cfg=DrafterConfig(max_draft=max_draft, gate=gate))
     raise ValueError(method)
 
 
 def run(json_path: str | None = None, *, model: str | None = None, prompts: int = 64, n: int = 8,
         epochs: int = 3, max_num_seqs: int = 64, max_tokens: int = 160, temperatures=(1.0, 0.6),
-        max_draft: int = 16, reps: int = 3, quick: bool = False) -> dict[str, Any]:
+        max_draft: int = 16, reps: int = 3, quick: bool = False, gate: bool = True) -> dict[str, Any]:
+    """``gate=False`` runs every drafter without the batch gate: each drafts all it finds, so
+    tokens per forward measure the draft sources alone, independent of this machine's timings
+    (the gate decides from measured costs, which vary from run to run)."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
 
@@ -87,7 +92,7 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
     out_rows: list[dict[str, Any]] = []
     sim_rows: list[dict[str, Any]] = []
     print(f"model {model}: {prompts} prompts x {n} samples, epochs 1..{epochs}, measured on epoch {epochs}, "
-          f"max_num_seqs={max_num_seqs}")
+          f"max_num_seqs={max_num_seqs}, gate {'on' if gate else 'off'}")
     for temp in temperatures:
         def params(ep: int) -> list[SamplingParams]:
             return [SamplingParams(n=n, temperature=temp, max_tokens=max_tokens, seed=hash((int(k), ep)) % (1 << 31))
@@ -106,7 +111,7 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
         engines: dict[str, tuple[LLM, Any]] = {}
         for method in methods:
             try:
-                prop = _proposer(method, store, max_draft)
+                prop = _proposer(method, store, max_draft, gate)
             except ImportError as e:
                 print(f"  {method}: skipped ({e})")
                 continue
@@ -135,6 +140,7 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
             gen = g1 - g0
             impl = "arctic" if type(prop).__name__.startswith("Arctic") else "rhymerl"
             results[method] = {"temperature": temp, "method": method, "impl": impl, "max_num_seqs": max_num_seqs,
+                               "gate": gate,
                                "accepted_per_forward": (rows_f + a1 - a0) / rows_f,
                                "forwards_per_token": rows_f / gen, "wall_s": wall, "generated": gen,
                                "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
