@@ -130,6 +130,11 @@ class TrainerSection:
     ppo_epochs: int = 1
     ppo_mini_batches: int = 1
     micro_batch_size: int = 64
+    # verl's dynamic batch size: a micro-batch holds at most this many tokens, padding counted
+    # (0: micro_batch_size sequences each). The result is the same update; only padding differs.
+    # Measured on the built-in recipe's 256 sequences (2 CPU cores): old log-probs + update
+    # 1.01-1.03 s with 64-sequence micro-batches, 0.76-0.89 s with budgets of 768-2048 tokens.
+    micro_batch_tokens: int = 1536
     save_every: int = 20
     eval_every: int = 20
     max_bad_steps: int = 3
@@ -258,6 +263,8 @@ def _validate(cfg: RunConfig) -> None:
     for key in positive:
         if flat[key] <= 0:
             raise ConfigError(f"{key}: must be > 0, got {flat[key]}")
+    if cfg.trainer.micro_batch_tokens < 0:
+        raise ConfigError(f"trainer.micro_batch_tokens: must be >= 0 (0: off), got {cfg.trainer.micro_batch_tokens}")
     if cfg.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature: must be >= 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

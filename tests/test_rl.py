@@ -231,3 +231,39 @@ def test_trainer_logps_are_the_rollout_distribution(temperature):
     for i, c in enumerate(out.outputs):
         got = exp.old_logp[i][exp.response_mask[i].bool()]
         assert torch.allclose(got, torch.tensor(c.logprobs), atol=1e-5)
+
+
+def test_token_budget_micro_batches_give_the_same_update():
+    """``micro_batch_tokens`` only changes how sequences are grouped (less padding): every
+    sequence lands in exactly one micro-batch within the budget, and the update is the same."""
+    import copy
+
+    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from tests.conftest import tiny_model
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(24)]
+    responses = [torch.randint(3, 20, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(24)]
+    adv = torch.randn(24, generator=g).tolist()
+    base = tiny_model()
+    weights = []
+    for budget in (0, 96):
+        cfg = load_config(None, ["trainer.micro_batch_size=8", f"trainer.micro_batch_tokens={budget}"])
+        model = copy.deepcopy(base)
+        tr = PolicyTrainer(model, cfg.trainer, cfg.algorithm, torch.device("cpu"))
+        exp = Experience.build(prompts, responses, adv, pad_id=0)
+        exp.advantages = torch.tensor(adv)
+        micro = tr._micro_batches(exp, torch.arange(24))
+        assert sorted(torch.cat(micro).tolist()) == list(range(24))
+        if budget:
+            assert len(micro) > 3  # more, smaller micro-batches than 24 / 8
+            for m in micro:
+                longest = max(len(prompts[i]) + len(responses[i]) for i in m.tolist())
+                assert len(m) == 1 or len(m) * (longest + 1) <= budget
+                assert len(m) <= 8
+        tr.compute_logps(exp)
+        tr.update(exp, step=1, seed=0)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(weights[0], weights[1], atol=1e-6)

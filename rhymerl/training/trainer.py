@@ -98,10 +98,29 @@ class PolicyTrainer:
                 exp.ref_logp[micro, : width - 1] = self._token_logp(self.ref, ids)[0].cpu()
 
     def _micro_batches(self, exp: Experience, idx: torch.Tensor) -> list[torch.Tensor]:
-        """Micro-batches of similar length (less padding); the order is deterministic."""
-        lengths = exp.response_mask[idx].sum(-1) + (exp.response_mask[idx].argmax(-1))
-        order = idx[torch.sort(lengths, stable=True).indices]
-        return list(order.split(self.cfg.micro_batch_size))
+        """Micro-batches of similar length (less padding); the order is deterministic.
+
+        With ``micro_batch_tokens`` (verl's dynamic batch size), a micro-batch takes sequences
+        in length order while its padded size (count x longest) stays within that many tokens,
+        and at most ``micro_batch_size`` of them: short sequences go many to a micro-batch,
+        long ones few, instead of every micro-batch being padded to its own longest.
+        """
+        mask = exp.response_mask[idx]
+        lengths = mask.sum(-1) + mask.argmax(-1)  # prompt + response tokens
+        sort = torch.sort(lengths, stable=True)
+        order = idx[sort.indices]
+        budget, cap = self.cfg.micro_batch_tokens, self.cfg.micro_batch_size
+        if budget <= 0:
+            return list(order.split(cap))
+        out: list[torch.Tensor] = []
+        start = 0
+        for i, n in enumerate(sort.values.tolist()):
+            count = i - start + 1
+            if count > 1 and (count > cap or count * (n + 1) > budget):
+                out.append(order[start:i])
+                start = i
+        out.append(order[start:])
+        return out
 
     @staticmethod
     def _width(exp: Experience, micro: torch.Tensor) -> int:
