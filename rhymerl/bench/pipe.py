@@ -119,9 +119,8 @@ def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float
     return rows
 
 
-@functools.lru_cache(maxsize=None)
-def profiled_cost(model: str, threads: int) -> StepCost:
-    """A worker's step-time curve with ``threads`` threads, measured once per bench run."""
+def profile_now(model: str, threads: int) -> StepCost:
+    """A worker's step-time curve with ``threads`` threads, timed now."""
     from rhymerl.config import load_config
     from rhymerl.distribution.factory import profile_cost
 
@@ -129,6 +128,10 @@ def profiled_cost(model: str, threads: int) -> StepCost:
     cfg.rollout.max_num_seqs = 256
     return profile_cost(model, cfg, threads).scaled(1.0, f"profiled here ({threads} thread"
                                                          f"{'s' if threads > 1 else ''}/worker)")
+
+
+# for the simulated tables: one curve per thread count and bench run
+profiled_cost = functools.lru_cache(maxsize=None)(profile_now)
 
 
 # --- measured --------------------------------------------------------------------------------------
@@ -170,7 +173,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     for R in worker_counts:
         threads = max(1, cores // R)
         share = max(1.0, R * threads / cores)  # more worker threads than cores: each runs that much slower
-        base_cost = profiled_cost(model, threads)
+        # timed right before the runs it predicts: this machine's speed drifts within a bench
+        base_cost = profile_now(model, threads)
         sim_cost = base_cost.scaled(share) if share > 1 else base_cost
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
                  for i in range(R)]
