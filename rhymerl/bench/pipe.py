@@ -135,6 +135,33 @@ profiled_cost = functools.lru_cache(maxsize=None)(profile_now)
 
 
 # --- measured --------------------------------------------------------------------------------------
+def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, reps: int = 2) -> tuple[float, float]:
+    """How much slower a worker process runs than ``cost`` (profiled in this process) says:
+    ``probe`` (prompts apart from the measured steps) is run with a copy on every worker at once,
+    and the time is compared with the simulator's for one copy on one worker. This folds in what
+    the curve cannot see: the coordinator's round trips and ``R`` processes sharing the cores.
+    Returns (factor, slowdown of all-at-once against worker 0 alone)."""
+    from rhymerl.scheduling.planner import Plan, WorkUnit
+
+    units = [WorkUnit(i, tuple(range(q.params.n))) for i, q in enumerate(probe)]
+    alone = Plan("even", [units] + [[] for _ in range(R - 1)])
+    together = Plan("even", [[WorkUnit(w * len(probe) + u.prompt, u.samples) for u in units] for w in range(R)])
+
+    def best(reqs: list, plan: Any) -> tuple[float, list]:
+        out, outs = float("inf"), []
+        for _ in range(reps):
+            t = time.perf_counter()
+            outs = co.rollout(reqs, 0, plan=plan)
+            out = min(out, time.perf_counter() - t)
+        return out, outs
+
+    t_alone, outs = best(probe, alone)
+    t_all, _ = best(probe * R, together)
+    lengths = [[len(c.token_ids) for c in o.outputs] for o in outs]
+    sim = simulate(Plan("even", [units]), lengths, [len(q.prompt_ids) for q in probe], cost, max_num_seqs=256)
+    return t_all / sim.makespan_s, t_all / t_alone
+
+
 def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                   reps: int) -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
@@ -151,7 +178,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
 
     cfg = load_config()
     tok = load_tokenizer(model)
-    rows_data = task_splits(cfg.data, cfg.seed)[0][: steps * batch]
+    all_rows = task_splits(cfg.data, cfg.seed)[0]
+    rows_data = all_rows[: steps * batch]
     r = cfg.rollout
 
     def requests(rows: list, step: int) -> list:
@@ -167,22 +195,26 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256).rollout(requests(rows_data, 1), 1)
     pool.close()
     batches = [requests(rows_data[i * batch:(i + 1) * batch], 2 + i) for i in range(steps)]
+    probe = requests(all_rows[steps * batch: steps * batch + 8], 0)  # calibration, apart from the steps
     out_rows: list[dict] = []
     pairs: list = []
     truth: list[list[list[int]]] = []
     for R in worker_counts:
         threads = max(1, cores // R)
-        share = max(1.0, R * threads / cores)  # more worker threads than cores: each runs that much slower
         # timed right before the runs it predicts: this machine's speed drifts within a bench
         base_cost = profile_now(model, threads)
-        sim_cost = base_cost.scaled(share) if share > 1 else base_cost
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
                  for i in range(R)]
         pool = make_pool("local", specs, named)
-        co = RolloutCoordinator(pool, history=store, cost=sim_cost, max_num_seqs=256, slice_s=0.05)
+        co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05)
         warm = requests(rows_data[: 4 * R], 0)
         co.history = None  # epoch 2 must not leak into the next policy's predictions
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
+        # One scale for the in-process cost curve, measured on prompts the measured steps do not use
+        factor, together = worker_cost_factor(co, probe, R, base_cost)
+        sim_cost = co.cost = base_cost.scaled(factor, f"{base_cost.name} x{factor:.2f} (worker processes)")
+        print(f"  R={R}: {threads} thread(s) per worker; probe: all {R} at once x{together:.2f} the time of one "
+              f"alone, x{factor:.2f} the in-process curve's", flush=True)
         results: dict[str, dict] = {}
         for policy in ("even", "least_loaded", "histopipe", "oracle"):
             total = sim_total = busy_total = 0.0

@@ -42,7 +42,9 @@ def profile_cost(model_path: str | Path, cfg: RunConfig, threads: int) -> StepCo
     torch.set_num_threads(max(1, threads))
     try:
         top = min(cfg.rollout.max_num_seqs, 256)
-        batches = tuple(sorted({1, max(1, top // 8), max(1, top // 2), top}))
+        # Six points: the plan's allocation reads the curve's shape between them, and a coarse
+        # grid (it was 1, top/8, top/2, top) let one noisy timing bend it (measured in bench pipe).
+        batches = tuple(sorted({1, max(1, top // 32), max(1, top // 8), max(1, top // 4), max(1, top // 2), top}))
         dev = "cpu" if not torch.cuda.is_available() else "cuda"
         return StepCost.profile(str(model_path), batches=batches, device=dev, name="profiled worker")
     finally:

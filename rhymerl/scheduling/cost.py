@@ -96,7 +96,7 @@ class StepCost:
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # the prefill alone
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
 
-        def best_of(batch: list, params: SamplingParams, reps: int = 2) -> float:
+        def best_of(batch: list, params: SamplingParams, reps: int = 3) -> float:
             best = float("inf")
             for _ in range(reps):
                 t = time.perf_counter()
