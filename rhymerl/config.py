@@ -88,7 +88,7 @@ class RolloutSection:
     backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
     schedule: str = "histopipe"  # even | least_loaded | histopipe
     length_stat: str = "mean"  # how a prompt's previous lengths predict its next: mean | median | max | p75
-    placement: str = "auto"  # histopipe groups: lpt | contiguous (the paper's) | auto (lower estimate)
+    placement: str = "auto"  # histopipe groups: lpt | contiguous (the paper's) | auto (the simulator's faster)
     tail_fraction: float = 0.1  # tail migration once at most this share of samples is unfinished
     migrate: bool = True  # tail migration and work stealing (histopipe)
     complementary: bool = True  # odd steps place long groups first, even steps last

@@ -282,8 +282,9 @@ class _StepRun:
         best, over = None, 0.0
         for iid, s, gen in rep.running:
             p = self.item_prompt.get(iid)
-            if p is not None and gen - float(self.pred[p]) > over:
-                best, over = (iid, p, s, gen), gen - float(self.pred[p])
+            late = gen - float(self.pred[p]) if p is not None else 0.0
+            if late > over:
+                best, over = (iid, p, s, gen), late
         if best is None:
             return
         iid, p, s, gen = best

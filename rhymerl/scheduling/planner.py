@@ -9,7 +9,7 @@ Policies (all keep the step's barrier: nothing here is off-policy):
 - ``histopipe``: placement from the lengths predicted from history and the cost curve:
   contiguous groups of the length ranking with a budget found by binary search (the
   paper's; allocation: a worker gets few long samples or many short ones), or LPT over
-  prompts (long and short work mixed), whichever has the lower estimated makespan; groups
+  prompts (long and short work mixed), whichever the simulator finishes first; groups
   placed on workers in complementary order across steps (odd steps group 0 on worker 0,
   even steps reversed), each worker's queue longest first; at run time, tail migration.
 - ``oracle``: the same plan from the true lengths (a bound no real run can have).
@@ -69,16 +69,21 @@ def estimate_s(lengths_sum: float, longest: float, count: int, cost: StepCost, m
     return cost.base_s * steps + cost.per_seq_s * lengths_sum + cost.prefill_per_token_s * prefill_tokens
 
 
+def _prefill_tokens(prompt_len: float, count: int, n_prompts: int, max_num_seqs: int) -> float:
+    """Prompt tokens a worker prefills for ``count`` samples of ``n_prompts`` prompts: samples of
+    a prompt admitted together share a prefill; once slots run out they are admitted one by
+    one, each with its own."""
+    return prompt_len * (n_prompts if count <= max_num_seqs else count)
+
+
 def _partition(lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost, max_num_seqs: int,
                prompt_len: float) -> list[int]:
     """Cut ``lengths`` (ranked, siblings adjacent, ``prompts[i]`` the prompt of unit i) into at
     most R contiguous groups minimising the largest estimated group time; returns the starts."""
 
     def est(total: float, longest: float, count: int, n_prompts: int) -> float:
-        # samples of a prompt admitted together share a prefill; once slots run out they are
-        # admitted one by one, each with its own
-        prefill = prompt_len * (n_prompts if count <= max_num_seqs else count)
-        return estimate_s(total, longest, count, cost, max_num_seqs, prefill)
+        return estimate_s(total, longest, count, cost, max_num_seqs,
+                          _prefill_tokens(prompt_len, count, n_prompts, max_num_seqs))
 
     def cut(budget: float) -> list[int] | None:
         starts, total, longest, count, n_p = [0], 0.0, 0.0, 0, 0
@@ -122,8 +127,8 @@ def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray
             return 0.0
         count = b - a
         n_p = int(new_p[a + 1:b].sum()) + 1
-        prefill = prompt_len * (n_p if count <= max_num_seqs else count)
-        return estimate_s(float(lengths[a:b].sum()), float(lengths[a:b].max()), count, cost, max_num_seqs, prefill)
+        return estimate_s(float(lengths[a:b].sum()), float(lengths[a:b].max()), count, cost, max_num_seqs,
+                          _prefill_tokens(prompt_len, count, n_p, max_num_seqs))
 
     bounds = list(bounds)
     while len(bounds) - 1 < R:
@@ -141,9 +146,9 @@ def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray
         best_i, best_v = a + 1, float("inf")
         for i in range(1, b - a):
             left_n, right_n = i, b - a - i
-            lp = prompt_len * (cnp[i - 1] if left_n <= max_num_seqs else left_n)
-            rp_prompts = cnp[-1] - cnp[i - 1] + (0 if new_p[a + i] else 1)
-            rp = prompt_len * (rp_prompts if right_n <= max_num_seqs else right_n)
+            lp = _prefill_tokens(prompt_len, left_n, int(cnp[i - 1]), max_num_seqs)
+            rp_prompts = int(cnp[-1] - cnp[i - 1]) + (0 if new_p[a + i] else 1)
+            rp = _prefill_tokens(prompt_len, right_n, rp_prompts, max_num_seqs)
             v = max(estimate_s(float(csum[i - 1]), float(cmax[i - 1]), left_n, cost, max_num_seqs, lp),
                     estimate_s(float(csum[-1] - csum[i - 1]), float(rmax[i]), right_n, cost, max_num_seqs, rp))
             if v < best_v:
@@ -193,6 +198,9 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
                 work[w].append((p, s))
                 outstanding[w] += 1
         return Plan(policy, [_merge(w) for w in work])
+    # what "past its prediction" means at run time: the longest length the plan expected
+    predicted = np.array([max(x) if x else 0.0 for x in lens])
+    tail_moves = migrate and policy == "histopipe"
     if placement == "lpt":
         groups = _lpt(lens, R, cost, max_num_seqs, prompt_len)
     elif placement == "contiguous":
@@ -204,10 +212,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         # slower, by up to 10 % at 1,024 workers (measured in bench pipe).
         from rhymerl.scheduling.simulator import simulate
 
-        assumed = np.array([max(x) if x else 0.0 for x in lens])
-
         def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
-            plan = Plan(policy, [_merge(g) for g in gs], migrate=migrate and policy == "histopipe", predicted=assumed)
+            plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
             return simulate(plan, lens, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
 
         groups = min((_lpt(lens, R, cost, max_num_seqs, prompt_len),
@@ -216,9 +222,7 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         raise ValueError(f"placement {placement!r} is not one of 'auto', 'lpt', 'contiguous'")
     if complementary and step % 2 == 0:
         groups = groups[::-1]
-    # what "past its prediction" means at run time: the longest length the plan expected
-    predicted = np.array([max(x) if x else 0.0 for x in lens])
-    return Plan(policy, [_merge(g) for g in groups], migrate=migrate and policy == "histopipe", predicted=predicted)
+    return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted)
 
 
 def _lpt(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
@@ -256,7 +260,7 @@ def _lpt(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
         a[2] += len(part)
         a[3] += 1
         groups[w].extend((p, s) for s in part)
-        prefill = prompt_len * (a[3] if a[2] <= max_num_seqs else a[2])
+        prefill = _prefill_tokens(prompt_len, a[2], a[3], max_num_seqs)
         heapq.heappush(state, (estimate_s(a[0], a[1], a[2], cost, max_num_seqs, prefill), w))
     for g in groups:  # longest first; siblings stay adjacent
         mean = {p: np.mean(lens[p]) for p, _ in g}
