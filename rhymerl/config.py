@@ -104,7 +104,9 @@ class AlgorithmSection:
     clip_ratio_high: float = 0.28
     clip_ratio_c: float = 3.0  # dual-clip
     loss_agg_mode: str = "token-mean"
-    kl_coef: float = 0.05  # keeps held-out accuracy from eroding on this tiny model (measured)
+    # No KL to the reference (DAPO, Dr.GRPO): on the built-in recipe KL 0.05 gave +3.5 / +9.5 held-out
+    # points (greedy / sampled), none +5.0 / +11.1, and skips the reference forward (measured).
+    kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     use_kl_in_reward: bool = False  # True: kl_coef x summed token KL off each reward (verl), not a loss term
     entropy_coef: float = 0.0
@@ -128,7 +130,9 @@ class TrainerSection:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ppo_epochs: int = 1
-    ppo_mini_batches: int = 1
+    # Two updates per rollout (verl's ppo_mini_batch_size = half the batch): +12.7 sampled points
+    # vs +11.1 with one, four gave +8.0 (single runs of the built-in recipe, KL off).
+    ppo_mini_batches: int = 2
     micro_batch_size: int = 64
     # verl's dynamic batch size: a micro-batch holds at most this many tokens, padding counted
     # (0: micro_batch_size sequences each). The result is the same update; only padding differs.

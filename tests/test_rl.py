@@ -22,6 +22,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
         "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         "rollout.speculative.max_draft=4",
+        "algorithm.kl_coef=0.05", "trainer.ppo_mini_batches=1",  # a reference model to checkpoint and resume
         "algorithm.dynamic_sampling=false"]  # 2 samples per group: the default filter would drop most groups
 SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/")
 

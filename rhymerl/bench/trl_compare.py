@@ -61,7 +61,8 @@ def run_ours(base: str, prompts: int, n: int, max_tokens: int, lr: float, steps:
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [f"model.path={base}", f"trainer.batch_prompts={prompts}", f"rollout.n={n}",
                                  f"rollout.max_tokens={max_tokens}", f"trainer.lr={lr}", f"trainer.steps={steps}",
-                                 "algorithm.kl_coef=0", "algorithm.dynamic_sampling=false",  # TRL's work: every group
+                                 "algorithm.kl_coef=0", "algorithm.dynamic_sampling=false",  # TRL's work: every group,
+                                 "trainer.ppo_mini_batches=1",  # and one update per generation
                                  f"rollout.temperature={temperature}", f"seed={seed}",
                                  "trainer.save_every=1000", f"trainer.eval_every={steps + 1}",
                                  f"trainer.output_dir={out}", "data.num_val=0"])
