@@ -65,7 +65,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     elif ns.which == "pipe":
         from rhymerl.bench.pipe import run
 
-        run(ns.json, quick=ns.quick, traces=ns.traces)
+        run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation)
     else:
         raise SystemExit(f"unknown benchmark {ns.which!r}")
     return 0
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-gate", action="store_true",
                    help="spec: drafters without the batch gate (tokens per forward of the draft sources alone)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
+    b.add_argument("--no-speculation", action="store_true",
+                   help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")
     e.add_argument("run_dir")

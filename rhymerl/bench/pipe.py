@@ -162,11 +162,32 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, reps: int =
     return t_all / sim.makespan_s, t_all / t_alone
 
 
+class _FrozenHistory:
+    """The history store as the measured steps see it: drafts and length predictions from the
+    first epoch, never the steps being measured (every policy must start from the same state)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def lengths(self, key: str) -> list[int]:
+        return self.store.lengths(key)
+
+    def export(self, key: str) -> list:
+        return self.store.export(key)
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
-                  reps: int) -> tuple[list[dict], tuple[list, float]]:
+                  reps: int, speculation: bool = False) -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
     step) per policy, after an epoch that gave every prompt a history. Also returns this
-    bench's (previous, next) length pairs and mean prompt length, a trace of its own."""
+    bench's (previous, next) length pairs and mean prompt length, a trace of its own.
+
+    With ``speculation`` the workers draft from that epoch (HistoSpec, the main job's
+    settings), as in the system's real configuration; the simulator has no model of
+    speculation, so those rows carry no prediction."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
@@ -177,6 +198,9 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     from rhymerl.training.rl import rollout_seed
 
     cfg = load_config()
+    from rhymerl.distribution.factory import worker_specs
+
+    speculative = worker_specs(cfg, model)[0].speculative if speculation else None
     tok = load_tokenizer(model)
     all_rows = task_splits(cfg.data, cfg.seed)[0]
     rows_data = all_rows[: steps * batch]
@@ -203,12 +227,14 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
         threads = max(1, cores // R)
         # timed right before the runs it predicts: this machine's speed drifts within a bench
         base_cost = profile_now(model, threads)
-        specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i)
-                 for i in range(R)]
+        specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i,
+                            speculative=speculative) for i in range(R)]
         pool = make_pool("local", specs, named)
         co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05)
         warm = requests(rows_data[: 4 * R], 0)
-        co.history = None  # epoch 2 must not leak into the next policy's predictions
+        # Epoch 2 must not leak into the next policy's predictions or drafts.
+        frozen = _FrozenHistory(store) if speculation else None
+        co.history = frozen
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
         # One scale for the in-process cost curve, measured on prompts the measured steps do not use
         factor, together = worker_cost_factor(co, probe, R, base_cost)
@@ -222,7 +248,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
             for i, reqs in enumerate(batches):
                 co.history = store
                 plan = co.plan(reqs, 2 + i, policy=policy, true_lengths=truth[i] if truth[i:] else None)
-                co.history = None
+                co.history = frozen
                 best, best_busy, tokens = float("inf"), 0.0, None
                 for _ in range(reps):
                     b0 = sum(co.busy_s.values())
@@ -250,26 +276,32 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                                "tokens": sum(sum(map(sum, t)) for t in truth) / steps}
         pool.close()
         for policy, res in results.items():
+            sim = {} if speculation else {"simulated_s": res["simulated_s"],
+                                          "sim_error": res["simulated_s"] / res["step_s"] - 1}
             out_rows.append({"source": "measured", "trace": "arith", "cost": sim_cost.name, "workers": R,
+                             "speculation": speculation,
                              "prompts": batch, "samples": N_SAMPLES, "steps": steps, "policy": policy,
                              "makespan_s": res["step_s"], "bubble_fraction": res["bubble_fraction"],
                              "tok_s": res["tokens"] / res["step_s"], "moved": res["moved"],
                              "vs_even": results["even"]["step_s"] / res["step_s"],
-                             "simulated_s": res["simulated_s"], "measured_s": res["step_s"],
-                             "sim_error": res["simulated_s"] / res["step_s"] - 1})
+                             "measured_s": res["step_s"], **sim})
         print(f"  measured R={R} (rollout s per step): " + ", ".join(
             f"{p} {results[p]['step_s']:.3f} (sim {results[p]['simulated_s']:.3f})" for p in results), flush=True)
     return out_rows, (pairs, float(np.mean([len(q.prompt_ids) for b in batches for q in b])))
 
 
-def run(json_path: str | None = None, *, quick: bool = False, traces: str | None = None) -> dict:
+def run(json_path: str | None = None, *, quick: bool = False, traces: str | None = None,
+        speculation: bool = True) -> dict:
     from rhymerl.bench.spec import _default_model
 
     model = _default_model()
     print(f"model: {model}")
+    counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 2)
     print("measured: local worker processes, speculation off, same prompts/seeds/weights for every policy")
-    rows, bench_pairs = measured_rows(model, [2] if quick else [2, 4], steps=3 if quick else 8, batch=32,
-                                      reps=1 if quick else 2)
+    rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps)
+    if speculation:
+        print("measured: the same, with HistoSpec on (drafts from the first epoch)")
+        rows += measured_rows(model, counts, steps=steps, batch=32, reps=reps, speculation=True)[0]
     trace_path = Path(traces) if traces else None
     if trace_path is None:
         from rhymerl.config import load_config
@@ -297,7 +329,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
     print()
-    print_table(rows, ["source", "trace", "workers", "policy", "makespan_s", "bubble_fraction", "vs_even",
+    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "makespan_s", "bubble_fraction", "vs_even",
                        "vs_oracle", "simulated_s", "sim_error", "moved", "migrations", "steals"])
     return write_report(rows, json_path, {"length_rank_correlation": corr,
                                            "length_rank_correlation_by_stat": corrs})
