@@ -191,6 +191,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
+    from rhymerl.distribution.factory import worker_specs
     from rhymerl.drafting import HistoryStore
     from rhymerl.engine import SamplingParams
     from rhymerl.model import load_pretrained
@@ -198,8 +199,6 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     from rhymerl.training.rl import rollout_seed
 
     cfg = load_config()
-    from rhymerl.distribution.factory import worker_specs
-
     speculative = worker_specs(cfg, model)[0].speculative if speculation else None
     tok = load_tokenizer(model)
     all_rows = task_splits(cfg.data, cfg.seed)[0]
