@@ -93,6 +93,11 @@ class RolloutSection:
     migrate: bool = True  # tail migration and work stealing (histopipe)
     complementary: bool = True  # odd steps place long groups first, even steps last
     worker_timeout_s: float = 300.0  # a worker silent this long is killed and its work re-run
+    # Off-policy, off by default (0). >0: a sample still unfinished after this many tokens in a
+    # step is paused there and continued in the next step under that step's weights (Kimi k1.5's
+    # partial rollouts); its group trains when all its samples are done. Deterministic: where a
+    # sample pauses depends on its length only, never on timing. Logged as rollout/offpolicy_*.
+    carry_over_tokens: int = 0
 
 
 @dataclass
@@ -269,6 +274,8 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: must be > 0, got {flat[key]}")
     if cfg.trainer.micro_batch_tokens < 0:
         raise ConfigError(f"trainer.micro_batch_tokens: must be >= 0 (0: off), got {cfg.trainer.micro_batch_tokens}")
+    if cfg.rollout.carry_over_tokens < 0:
+        raise ConfigError(f"rollout.carry_over_tokens: must be >= 0 (0: off), got {cfg.rollout.carry_over_tokens}")
     if cfg.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature: must be >= 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 from rhymerl.distribution import InprocPool, RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
 from rhymerl.drafting import HistoryStore
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import LLM, RequestOutput, SamplingParams
 from rhymerl.model import save_pretrained
 from rhymerl.scheduling import StepCost, make_plan, predict_lengths, simulate, spearman
 from rhymerl.scheduling.planner import Plan, WorkUnit, estimate_s
@@ -193,6 +193,41 @@ def test_migration_and_stealing_keep_the_tokens(model_dir):
     outs = co.rollout(reqs, 1, plan=plan)
     assert _tokens(outs) == ref
     assert co.pipe.steals > 0 and co.pipe.migrations > 0
+
+
+def test_paused_samples_continue_to_the_tokens_of_an_uninterrupted_run(model_dir):
+    """Partial rollouts: samples paused at a token budget and continued from their prefix (same
+    weights here) end with the tokens they would have had; finished siblings are kept."""
+    from rhymerl.model import load_pretrained
+    from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
+
+    reqs = _requests(n_prompts=6, max_tokens=40)
+    ref = _reference(model_dir, reqs)
+    pool = InprocPool(_specs(model_dir, 2))
+    pool.update_weights(dict(load_pretrained(model_dir).named_parameters()))
+    co = RolloutCoordinator(pool, policy="least_loaded", max_num_seqs=16, slice_s=0.002)
+    budget = 8
+
+    def first_part(r: RolloutRequest) -> RolloutRequest:
+        p = SamplingParams(n=r.params.n, temperature=1.0, max_tokens=step_budget(40, budget), logprobs=True)
+        return RolloutRequest(r.prompt_ids, p, r.seed, r.prompt_key, record=False)
+
+    outs = co.rollout([first_part(r) for r in reqs], 1)
+    groups = []
+    for r, o in zip(reqs, outs):
+        paused = {c.index: (c.token_ids, c.logprobs) for c in paused_samples(o, 40)}
+        groups.append(CarriedGroup(r.prompt_key, r.seed, 1, [c for c in o.outputs if c.index not in paused], paused))
+    assert sum(len(g.paused) for g in groups) > 0 and sum(len(g.finished) for g in groups) > 0
+    assert all(len(t) == budget for g in groups for t, _ in g.paused.values())
+    again = [g for g in groups if g.paused]
+    g2 = [CarriedGroup.from_dict(g.to_dict()) for g in again]  # as a checkpoint keeps them
+    cont = [RolloutRequest(r.prompt_ids, SamplingParams(n=r.params.n, temperature=1.0, max_tokens=40, logprobs=True),
+                           g.seed, g.key, samples=tuple(sorted(g.paused)), prefixes=dict(g.paused))
+            for g in g2 for r in reqs if r.prompt_key == g.key]
+    merged = {g.key: merge(g, o) for g, o in zip(g2, co.rollout(cont, 2))}
+    final = [merged.get(r.prompt_key) or RequestOutput(0, r.prompt_ids, g.finished)
+             for r, g in zip(reqs, groups)]
+    assert _tokens(final) == ref
 
 
 def _signal_once(index: int, sig: int, sent: list[int]):

@@ -172,6 +172,26 @@ def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     assert _learning_metrics(run) == _learning_metrics(tmp_path / "ref")
 
 
+def test_partial_rollouts_carry_groups_and_resume_exactly(base_model, tmp_path):
+    """carry_over_tokens pauses long samples and finishes them in the next step, off-policy and
+    logged as such; the paused groups travel in the checkpoint, so a resumed run matches."""
+    from rhymerl.training.rl import train
+
+    carry = ["rollout.carry_over_tokens=6", "trainer.steps=4"]
+    train(load_config(None, _overrides(base_model, tmp_path / "ref") + carry), progress=False)
+    ref = _learning_metrics(tmp_path / "ref")
+    steps = [r for r in ref if "rollout/carried_groups" in r]
+    assert any(r["rollout/carried_groups"] > 0 for r in steps)
+    assert any(r["rollout/offpolicy_tokens"] > 0 for r in steps)
+    assert max(r["response_length/max"] for r in steps) > 6  # groups finished after a pause
+    part = _overrides(base_model, tmp_path / "resumed") + carry
+    train(load_config(None, [*part, "trainer.steps=2"]), progress=False)
+    state = json.loads((latest_checkpoint(tmp_path / "resumed") / "state.json").read_text())
+    assert len(state["carried"]) == steps[1]["rollout/carried_groups"]
+    train(load_config(None, part), progress=False)  # continues the run folder from step 2
+    assert _learning_metrics(tmp_path / "resumed") == ref
+
+
 def test_half_written_checkpoint_is_never_picked(tmp_path):
     (tmp_path / "checkpoints" / "step_000003").mkdir(parents=True)  # no COMPLETE marker
     (tmp_path / "checkpoints" / "step_000004.tmp").mkdir()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import numpy as np
@@ -30,10 +30,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RolloutRequest:
+    """One prompt's samples for this step.
+
+    ``samples`` limits the step to these sample indices (default: all ``params.n``), and
+    ``prefixes`` gives some of them the tokens and log-probs they already have: they continue
+    from there with the same seeded draws (a group paused at the end of the previous step).
+    ``record=False`` keeps the result out of the history store (the caller records it once the
+    group is whole).
+    """
+
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     prompt_key: str | None = None
+    samples: tuple[int, ...] | None = None
+    prefixes: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    record: bool = True
+
+    def sample_indices(self) -> list[int]:
+        return list(range(self.params.n)) if self.samples is None else sorted(self.samples)
 
 
 @dataclass
@@ -88,7 +103,7 @@ class RolloutCoordinator:
              true_lengths: list[list[int]] | None = None) -> Plan:
         policy = policy or self.policy
         alive = self.pool.alive()
-        n = [r.params.n for r in requests]
+        n = [r.params.n for r in requests]  # a request continuing some samples is planned whole: an overestimate
         if policy == "oracle":
             if true_lengths is None:
                 raise ValueError("the oracle policy needs the true lengths")
@@ -113,7 +128,7 @@ class RolloutCoordinator:
         outs = _StepRun(self, requests, step, plan, on_done).run()
         if self.history is not None:
             for r, o in zip(requests, outs):
-                if r.prompt_key is not None and o is not None:
+                if r.prompt_key is not None and o is not None and r.record and r.samples is None:
                     self.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
         return outs
 
@@ -147,16 +162,21 @@ class _StepRun:
         P = len(requests)
         self.results: list[dict[int, CompletionOutput]] = [dict() for _ in range(P)]
         self.outs: list[RequestOutput | None] = [None] * P
-        self.total = sum(r.params.n for r in requests)
+        self.need = [len(r.sample_indices()) for r in requests]
+        self.total = sum(self.need)
         self.done_samples = 0
         self.item_prompt: dict[int, int] = {}
         self.where: dict[tuple[int, int], int] = {}  # (prompt, sample) -> worker index, while unfinished
         self.pending: dict[int, list[WorkItem]] = defaultdict(list)  # items not yet sent, per worker
         self.outstanding: dict[int, int] = defaultdict(int)  # unfinished samples per worker
         self.pred = plan.predicted if plan.predicted is not None else np.zeros(P)
+        wanted = [set(r.sample_indices()) for r in requests]
         for h, units in zip(co.pool.alive(), plan.workers):
             for u in units:
-                self.new_item(u.prompt, list(u.samples), h.index)
+                samples = [s for s in u.samples if s in wanted[u.prompt]]
+                if samples:
+                    pre = requests[u.prompt].prefixes
+                    self.new_item(u.prompt, samples, h.index, {s: pre[s] for s in samples if s in pre})
 
     def run(self) -> list[RequestOutput]:
         co = self.co
@@ -164,7 +184,7 @@ class _StepRun:
             self.kick(h)
         while any(o is None for o in self.outs):
             if all(h.started_at is None for h in co.pool.alive()):  # a bookkeeping bug, never a hang
-                missing = {p: sorted(set(range(self.requests[p].params.n)) - set(self.results[p]))
+                missing = {p: sorted(set(self.requests[p].sample_indices()) - set(self.results[p]))
                            for p, o in enumerate(self.outs) if o is None}
                 raise RuntimeError(f"rollout stalled: samples {missing} are on no worker")
             for h in co.pool.wait(timeout=min(1.0, co.worker_timeout_s)):
@@ -226,7 +246,7 @@ class _StepRun:
                 self.where.pop((p, c.index), None)
                 self.outstanding[h.index] -= 1
                 self.done_samples += 1
-            if len(self.results[p]) == self.requests[p].params.n:
+            if len(self.results[p]) == self.need[p]:
                 self.finish(p)
 
     def finish(self, p: int) -> None:
@@ -256,7 +276,10 @@ class _StepRun:
             raise RuntimeError(f"every rollout worker is lost (last: {why})")
         for p, samples in sorted(orphans.items()):
             w = min(live, key=lambda x: self.outstanding[x.index]).index
-            self.new_item(p, sorted(samples), w)
+            # A sample carried in from the previous step restarts from its carried prefix (those
+            # tokens came from older weights); from there, the same draws give the same tokens.
+            pre = self.requests[p].prefixes
+            self.new_item(p, sorted(samples), w, {s: pre[s] for s in samples if s in pre})
             co.pipe.rerun_samples += len(samples)
 
     def rebalance(self, h: WorkerHandle, rep: WorkerReport) -> None:

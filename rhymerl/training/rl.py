@@ -36,6 +36,7 @@ from rhymerl.training.checkpoint import (
 )
 from rhymerl.training.evaluate import evaluate
 from rhymerl.training.metrics import MetricsLogger, plot_run, read_metrics
+from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
 from rhymerl.training.sft import CARD, print_card, run_sft, sft_output_dir
 from rhymerl.training.trainer import Experience, PolicyTrainer
 
@@ -79,6 +80,8 @@ class ScoredRollout:
     predicted: list[float | None]  # HistoPipe's length prediction per prompt (None: no history)
     gen_s: float  # generation time, the reward time overlapping it excluded
     reward_s: float
+    carry: list[CarriedGroup]  # groups paused at the step's token budget (partial rollouts)
+    offpolicy_tokens: int  # tokens of ``outs`` drawn under earlier steps' weights
 
 
 class RLRun:
@@ -122,6 +125,12 @@ class RLRun:
         self.metrics = MetricsLogger(run_dir)
         self.step = 0
         self.initial_accuracy: dict[str, float] | None = None
+        self.carried: list[CarriedGroup] = []  # paused groups waiting for the next step
+        self._row_of = {row.key: row for row in self.train_rows}
+        if cfg.rollout.carry_over_tokens > 0:
+            log.warning("rollout.carry_over_tokens=%d: samples unfinished after that many tokens continue in "
+                        "the next step under newer weights; those groups train off-policy",
+                        cfg.rollout.carry_over_tokens)
 
     # --- resume ----------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -134,6 +143,7 @@ class RLRun:
         self.loader.load_state_dict(state["loader"])
         self.initial_accuracy = state.get("initial_accuracy")
         self.trainer.bad_steps = state.get("bad_steps", 0)
+        self.carried = [CarriedGroup.from_dict(d) for d in state.get("carried", [])]
         if self.history is not None and (ckpt / "history.json.gz").exists():
             from rhymerl.drafting import HistoryStore
 
@@ -150,34 +160,72 @@ class RLRun:
         return True
 
     # --- one step ------------------------------------------------------------------------------
-    def _rollout(self, rows: list[PromptRow], step: int) -> ScoredRollout:
-        """Generate for ``rows`` and score each prompt as soon as its samples are all back."""
+    def _rollout(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup] | None = None) -> ScoredRollout:
+        """Generate for ``rows`` (after the ``carried`` groups, continued from their pause) and
+        score each prompt as soon as its samples are all back. Groups paused at this step's
+        token budget come back in ``carry``, unscored."""
         from rhymerl.distribution import RolloutRequest
 
         r = self.cfg.rollout
-        reqs = [RolloutRequest(encode_prompt(self.tokenizer, row.prompt),
-                               SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                              max_tokens=r.max_tokens),
-                               rollout_seed(self.cfg.seed, step, row.key), row.key) for row in rows]
+        carried = carried or []
+        budget = r.carry_over_tokens
+        all_rows = [self._row_of[g.key] for g in carried] + rows
+
+        def params(prefix_len: int) -> SamplingParams:
+            return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_tokens=step_budget(r.max_tokens, budget, prefix_len),
+                                  logprobs=budget > 0)  # a paused sample's prefix carries its log-probs
+
+        reqs = [RolloutRequest(encode_prompt(self.tokenizer, row.prompt), params(g.prefix_len()), g.seed, g.key,
+                               samples=tuple(sorted(g.paused)), prefixes=dict(g.paused), record=False)
+                for g, row in zip(carried, all_rows)]
+        reqs += [RolloutRequest(encode_prompt(self.tokenizer, row.prompt), params(0),
+                                rollout_seed(self.cfg.seed, step, row.key), row.key, record=budget == 0)
+                 for row in rows]
+        limits = [min(r.max_tokens, r.max_model_len - len(q.prompt_ids)) for q in reqs]
         scored: dict[int, tuple[list[list[float]], int, dict[str, list[float]]]] = {}
+        whole: dict[int, RequestOutput] = {}
         reward_s = 0.0
 
         def on_done(i: int, out) -> None:
             nonlocal reward_s
+            if i < len(carried):
+                out = merge(carried[i], out)
+            whole[i] = out
+            if budget and not out.error and paused_samples(out, limits[i]):
+                return  # paused: scored when the group is whole
             t = time.perf_counter()
-            scored[i] = self._score([rows[i]], [out])
+            scored[i] = self._score([all_rows[i]], [out])
             reward_s += time.perf_counter() - t
 
-        predicted = self._predict(rows)  # before this step's lengths join the history
+        predicted = self._predict(all_rows)  # before this step's lengths join the history
         t = time.perf_counter()
-        outs = self.rollout.rollout(reqs, step, on_done=on_done)
+        for i, o in enumerate(self.rollout.rollout(reqs, step, on_done=on_done)):
+            if i not in whole:
+                on_done(i, o)
+        gen_s = time.perf_counter() - t - reward_s
+        carry: list[CarriedGroup] = []
+        done = [i for i in range(len(reqs)) if i in scored]
+        offpolicy = 0
+        for i in range(len(reqs)):
+            out = whole[i]
+            if i not in scored:
+                paused = {c.index: (list(c.token_ids), list(c.logprobs or [])) for c in paused_samples(out, limits[i])}
+                since = carried[i].since_step if i < len(carried) else step
+                carry.append(CarriedGroup(all_rows[i].key, reqs[i].seed, since,
+                                          [c for c in out.outputs if c.index not in paused], paused))
+            elif budget:
+                if i < len(carried):
+                    offpolicy += carried[i].offpolicy_tokens()
+                if self.history is not None:  # recorded once whole, as the coordinator does for the rest
+                    self.history.add(all_rows[i].key, reqs[i].prompt_ids, [c.token_ids for c in out.outputs], step)
         extras: dict[str, list[float]] = {}
-        for i in range(len(rows)):
+        for i in done:
             for k, v in scored[i][2].items():
                 extras.setdefault(k, []).extend(v)
-        return ScoredRollout(rows, outs, [scored[i][0][0] for i in range(len(rows))],
-                             sum(scored[i][1] for i in range(len(rows))), extras, predicted,
-                             gen_s=time.perf_counter() - t - reward_s, reward_s=reward_s)
+        return ScoredRollout([all_rows[i] for i in done], [whole[i] for i in done], [scored[i][0][0] for i in done],
+                             sum(scored[i][1] for i in done), extras, [predicted[i] for i in done],
+                             gen_s=gen_s, reward_s=reward_s, carry=carry, offpolicy_tokens=offpolicy)
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
         """HistoPipe's length prediction per prompt (None without history), for the trace."""
@@ -215,7 +263,8 @@ class RLRun:
         st = self.rollout.stats
         s0 = (st.forwards, sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated)
         p0 = vars(self.rollout.pipe).copy()
-        first = self._rollout(self.loader.next_batch(), step)
+        first = self._rollout(self.loader.next_batch(), step, self.carried)
+        carry, offpolicy = list(first.carry), first.offpolicy_tokens
         rows, outs, scores, errors, extras = first.rows, first.outs, first.scores, first.errors, first.extras
         # rewards ran while other prompts were still generating: rollout time excludes them
         gen_s, reward_s = first.gen_s, first.reward_s
@@ -231,6 +280,7 @@ class RLRun:
                 if len(kept_rows) >= cfg.trainer.batch_prompts:
                     break
                 more = self._rollout(self.loader.next_batch(), step)
+                carry += more.carry
                 gen_s += more.gen_s
                 reward_s += more.reward_s
                 errors += more.errors
@@ -242,6 +292,7 @@ class RLRun:
             kept_rows = kept_rows[: cfg.trainer.batch_prompts]
             kept_outs = kept_outs[: cfg.trainer.batch_prompts]
             kept_scores = kept_scores[: cfg.trainer.batch_prompts]
+        self.carried = carry
         if self.history is not None:
             for row, g in zip(rows, scores):
                 self.history.set_rewards(row.key, step, g)
@@ -282,8 +333,9 @@ class RLRun:
         sync_s = time.perf_counter() - t
         step_s = time.perf_counter() - t_step
 
-        all_scores = [s for g in scores for s in g]
-        all_lens = [len(c.token_ids) for o in outs for c in o.outputs]
+        # A step whose every group paused at the token budget trains on nothing (partial rollouts).
+        all_scores = [s for g in scores for s in g] or [0.0]
+        all_lens = [len(c.token_ids) for o in outs for c in o.outputs] or [0]
         rows_f = sum(st.batch_sizes) - s0[1]
         acc = st.accepted - s0[2]
         drafted = st.drafted - s0[3]
@@ -297,9 +349,12 @@ class RLRun:
             "response_length/max": int(np.max(all_lens)),
             "response_length/min": int(np.min(all_lens)),
             "response_length/clip_ratio": float(np.mean([c.finish_reason == "length" for o in outs
-                                                         for c in o.outputs])),
+                                                         for c in o.outputs] or [0.0])),
             "reward/errors": errors,
             "data/filtered_groups": filtered,
+            "rollout/carried_groups": len(self.carried),
+            "rollout/offpolicy_tokens": offpolicy,
+            "rollout/offpolicy_fraction": offpolicy / max(1, sum(all_lens)),
             "data/epoch": self.loader.state.epoch,
             "timing_s/gen": gen_s, "timing_s/reward": reward_s, "timing_s/old_logp": old_s,
             "timing_s/update": upd_s, "timing_s/sync": sync_s, "timing_s/step": step_s,
@@ -376,7 +431,8 @@ class RLRun:
                 save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.trainer.optimizer,
                                 self.trainer.scheduler,
                                 {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
-                                 "bad_steps": self.trainer.bad_steps},
+                                 "bad_steps": self.trainer.bad_steps,
+                                 "carried": [g.to_dict() for g in self.carried]},
                                 self.history)
         bar.close()
         self.metrics.close()
