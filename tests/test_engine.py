@@ -243,3 +243,16 @@ def test_walk_tree_matches_the_literal_walk_on_random_trees():
                 assert int(n_acc[b]) == n
                 assert path[b, : n + 1].tolist() == want
                 assert (path[b, n + 1:] == want[-1]).all()
+
+
+def test_per_sequence_draw_key_gives_the_same_uniforms():
+    """The sampler hashes (seed, sample) once per sequence in Python integers; the draws must be
+    the very bits of the all-tensor hash, for seeds and positions across the int64 range."""
+    from rhymerl.engine.sampler import draw_key, uniforms, uniforms_at
+
+    g = torch.Generator().manual_seed(0)
+    seeds = [0, 1, (1 << 62) - 1, *torch.randint(0, 1 << 62, (200,), generator=g).tolist()]
+    samples = torch.randint(0, 64, (len(seeds),), generator=g).tolist()
+    pos = torch.randint(0, 1 << 20, (len(seeds),), generator=g)
+    keys = torch.tensor([draw_key(s, k) for s, k in zip(seeds, samples)], dtype=torch.long)
+    assert torch.equal(uniforms_at(keys, pos), uniforms(torch.tensor(seeds), torch.tensor(samples), pos))

@@ -35,10 +35,10 @@ def _sampling_batch(seqs: list[Sequence], positions: torch.Tensor, device: torch
     K = positions.shape[1]
     # Two tensors (float and integer columns) rather than one per parameter: this runs every step.
     f = torch.tensor([(s.params.temperature, s.params.top_p) for s in seqs], dtype=torch.float32)
-    i = torch.tensor([(s.params.top_k, s.seed, s.sample_index) for s in seqs], dtype=torch.long)
+    i = torch.tensor([(s.params.top_k, s.draw_key) for s in seqs], dtype=torch.long)
     f = f.repeat_interleave(K, dim=0).to(device)
     i = i.repeat_interleave(K, dim=0).to(device)
-    return SamplingBatch(temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], seed=i[:, 1], sample=i[:, 2],
+    return SamplingBatch(temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], key=i[:, 1],
                          position=positions.reshape(-1).to(device))
 
 

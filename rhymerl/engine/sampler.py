@@ -32,10 +32,33 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def uniforms(seed: torch.Tensor, sample: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """Float64 uniforms in [0, 1), one per element of the broadcast int64 inputs."""
-    h = _mix(seed + _GOLDEN)
-    h = _mix(h ^ (sample * _GOLDEN + 1))
-    h = _mix(h ^ (position * _M1 + 2))
+    return uniforms_at(_mix(_mix(seed + _GOLDEN) ^ (sample * _GOLDEN + 1)), position)
+
+
+def uniforms_at(key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """:func:`uniforms` from a sequence's :func:`draw_key` (the hash of its seed and sample
+    index, fixed for its life): one mixing round per draw instead of three."""
+    h = _mix(key ^ (position * _M1 + 2))
     return _lsr(h, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+_U64 = (1 << 64) - 1
+
+
+def _mix_int(x: int) -> int:
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _U64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def draw_key(seed: int, sample: int) -> int:
+    """The first two mixing rounds of :func:`uniforms`, in Python integers, as a signed int64:
+    computed once per sequence, then :func:`uniforms_at` per position (same bits)."""
+    h = _mix_int((seed + 0x9E3779B97F4A7C15) & _U64)
+    h = _mix_int(h ^ ((sample * 0x9E3779B97F4A7C15 + 1) & _U64))
+    return h - (1 << 64) if h >> 63 else h
 
 
 @dataclass
@@ -45,8 +68,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] float; 0 = greedy
     top_p: torch.Tensor  # [N] float
     top_k: torch.Tensor  # [N] int; -1 = off
-    seed: torch.Tensor  # [N] int64
-    sample: torch.Tensor  # [N] int64
+    key: torch.Tensor  # [N] int64: draw_key(seed, sample index) of the row's sequence
     position: torch.Tensor  # [N] int64: index of the output token being drawn
 
 
@@ -82,7 +104,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits [N, V]``; returns ``(tokens [N], logprobs [N])``."""
     logp = sampling_logprobs(logits, batch.temperature, batch.top_p, batch.top_k)
-    u = uniforms(batch.seed, batch.sample, batch.position)
+    u = uniforms_at(batch.key, batch.position)
     # float64 CDF: the comparison with u must not depend on how the sum was blocked.
     cdf = logp.to(torch.float64).exp_().cumsum_(-1)
     # First index whose CDF exceeds u * total: a zero-probability token is never chosen.
