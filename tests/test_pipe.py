@@ -103,6 +103,19 @@ def test_simulator_matches_hand_computation():
     assert r2.makespan_s == pytest.approx(10.0) and r2.bubble_fraction == pytest.approx(0.4)
 
 
+def test_simulator_shares_cores_between_busy_workers():
+    # 4 workers on 2 cores, 1 thread each: 2x slower while all 4 are busy (2 s of their own time),
+    # full speed once two are done -> 2 * 2 + 8 = 12 s; busy 12, 12, 4, 4 of 4 x 12
+    lens = [[10], [10], [2], [2]]
+    plan = make_plan("even", lens, 4, cost=FLAT, max_num_seqs=4)
+    alone = simulate(plan, lens, 0, FLAT, max_num_seqs=4)
+    shared = simulate(plan, lens, 0, FLAT, max_num_seqs=4, cores=2, threads=1)
+    assert alone.makespan_s == pytest.approx(10.0)
+    assert shared.makespan_s == pytest.approx(12.0) and shared.bubble_fraction == pytest.approx(1 / 3)
+    # enough cores for everyone: nothing changes
+    assert simulate(plan, lens, 0, FLAT, max_num_seqs=4, cores=4).makespan_s == pytest.approx(10.0)
+
+
 def test_simulator_tail_migration_helps_when_steps_cost_more_at_larger_batch():
     # worker 0's samples all run far longer than predicted; worker 1 finishes early and takes one
     lengths = [[200] + [100] * 7, [10] * 8]

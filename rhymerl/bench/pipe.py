@@ -135,11 +135,13 @@ profiled_cost = functools.lru_cache(maxsize=None)(profile_now)
 
 
 # --- measured --------------------------------------------------------------------------------------
-def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, reps: int = 2) -> tuple[float, float]:
+def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int, threads: int,
+                       reps: int = 2) -> tuple[float, float]:
     """How much slower a worker process runs than ``cost`` (profiled in this process) says:
     ``probe`` (prompts apart from the measured steps) is run with a copy on every worker at once,
-    and the time is compared with the simulator's for one copy on one worker. This folds in what
-    the curve cannot see: the coordinator's round trips and ``R`` processes sharing the cores.
+    and the time is compared with the simulator's for the same, its ``R`` workers sharing
+    ``cores``. This folds in what the curve and the core sharing cannot see: the coordinator's
+    round trips, and processes contending for more than cores (memory, caches).
     Returns (factor, slowdown of all-at-once against worker 0 alone)."""
     from rhymerl.scheduling.planner import Plan, WorkUnit
 
@@ -158,7 +160,8 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, reps: int =
     t_alone, outs = best(probe, alone)
     t_all, _ = best(probe * R, together)
     lengths = [[len(c.token_ids) for c in o.outputs] for o in outs]
-    sim = simulate(Plan("even", [units]), lengths, [len(q.prompt_ids) for q in probe], cost, max_num_seqs=256)
+    sim = simulate(together, lengths * R, [len(q.prompt_ids) for q in probe] * R, cost, max_num_seqs=256,
+                   cores=cores, threads=threads)
     return t_all / sim.makespan_s, t_all / t_alone
 
 
@@ -236,10 +239,10 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
         co.history = frozen
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
         # One scale for the in-process cost curve, measured on prompts the measured steps do not use
-        factor, together = worker_cost_factor(co, probe, R, base_cost)
+        factor, together = worker_cost_factor(co, probe, R, base_cost, cores, threads)
         sim_cost = co.cost = base_cost.scaled(factor, f"{base_cost.name} x{factor:.2f} (worker processes)")
         print(f"  R={R}: {threads} thread(s) per worker; probe: all {R} at once x{together:.2f} the time of one "
-              f"alone, x{factor:.2f} the in-process curve's", flush=True)
+              f"alone, x{factor:.2f} the in-process curve's with {R} sharing {cores} cores", flush=True)
         results: dict[str, dict] = {}
         for policy in ("even", "least_loaded", "histopipe", "oracle"):
             total = sim_total = busy_total = 0.0
@@ -269,7 +272,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                 total += best
                 busy_total += best_busy
                 sim_total += simulate(plan, truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
-                                      max_num_seqs=256).makespan_s
+                                      max_num_seqs=256, cores=cores, threads=threads).makespan_s
             results[policy] = {"step_s": total / steps, "bubble_fraction": max(0.0, 1 - busy_total / (R * total)),
                                "simulated_s": sim_total / steps, "moved": moved // reps,
                                "tokens": sum(sum(map(sum, t)) for t in truth) / steps}

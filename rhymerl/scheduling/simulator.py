@@ -4,6 +4,11 @@ Each worker is a continuous-batching engine with ``max_num_seqs`` slots whose de
 costs ``cost.step_s(B)`` at batch size B (and prefill ``cost.prefill_per_token_s`` per
 token). Between two events (a sample finishes, samples are admitted, work moves) a worker's
 batch is constant, so the simulation jumps from event to event: O(samples log samples).
+
+Workers that share a machine's cores (local worker processes) slow each other down while
+they are busy together and speed up as others go idle. All busy workers then run at the same
+rate, so the events keep their order: the simulation runs in a worker's own time, and the
+wall clock follows from how many were busy in each interval (processor sharing).
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ class SimResult:
 
 
 class _Worker:
-    __slots__ = ("queue", "running", "due", "c", "t", "busy", "version", "done_at", "removed")
+    __slots__ = ("queue", "running", "due", "c", "t", "busy", "version", "done_at", "removed", "spans", "open_at")
 
     def __init__(self) -> None:
         self.queue: deque[int] = deque()  # samples not yet admitted, in submission order
@@ -46,14 +51,21 @@ class _Worker:
         self.version = 0
         self.done_at = 0.0
         self.removed: set[int] = set()  # migrated away (lazy heap deletion)
+        self.spans: list[tuple[float, float]] = []  # busy intervals (for shared cores)
+        self.open_at: float | None = None  # start of the current busy interval
 
     def size(self) -> int:
         return len(self.running) - len(self.removed)
 
 
 def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int, cost: StepCost, *,
-             max_num_seqs: int, predicted: np.ndarray | None = None, tail_fraction: float = 0.1) -> SimResult:
+             max_num_seqs: int, predicted: np.ndarray | None = None, tail_fraction: float = 0.1,
+             cores: float | None = None, threads: int = 1) -> SimResult:
     """Simulate ``plan`` when sample s of prompt p really produces ``lengths[p][s]`` tokens.
+
+    ``cores``: the workers share this many cores, ``threads`` each, and ``cost`` is one
+    worker's curve when it runs alone; while n of them are busy each runs
+    ``max(1, n * threads / cores)`` times slower. None: every worker has its own device.
 
     With ``plan.migrate``, an idle worker first takes a not-yet-started sample from the
     worker with the most waiting; then, once at most ``tail_fraction`` of the samples are
@@ -129,6 +141,9 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
             heapq.heappush(events, (w.t + (w.running[0][0] - w.c) * step_s(w.size()), wi, w.version))
         else:
             w.done_at = w.t
+            if w.open_at is not None:
+                w.spans.append((w.open_at, w.t))
+                w.open_at = None
         refresh(wi)
 
     def steal(wi: int, now: float) -> bool:
@@ -182,6 +197,7 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
         return True
 
     for wi, w in enumerate(ws):
+        w.open_at = 0.0
         admit(w)
         schedule(wi)
     idle = [wi for wi, w in enumerate(ws) if not w.running]
@@ -190,8 +206,10 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
         if plan.migrate and idle:
             still = []
             for k, wi in enumerate(idle):
+                t_open = max(ws[wi].t, now)
                 took = (waiting > 0 and steal(wi, now)) or (unfinished <= tail_fraction * total and migrate(wi, now))
                 if took:
+                    ws[wi].open_at = t_open
                     admit(ws[wi])
                     schedule(wi)
                 elif waiting == 0:
@@ -228,5 +246,27 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
             idle.append(wi)
     makespan = max((w.done_at for w in ws), default=0.0)
     busy = [w.busy for w in ws]
+    if cores is not None:
+        makespan, busy = _shared_cores([w.spans for w in ws], cores, threads)
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
     return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy)
+
+
+def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int) -> tuple[float, list[float]]:
+    """Wall-clock makespan and busy time per worker from busy intervals in a worker's own time,
+    when n busy workers each run ``max(1, n * threads / cores)`` times slower."""
+    edges = sorted({x for ws in spans for sp in ws for x in sp})
+    if not edges:
+        return 0.0, [0.0] * len(spans)
+    delta: dict[float, int] = {}
+    for ws in spans:
+        for a, b in ws:
+            if b > a:
+                delta[a] = delta.get(a, 0) + 1
+                delta[b] = delta.get(b, 0) - 1
+    wall = {edges[0]: 0.0}
+    n = 0
+    for a, b in zip(edges, edges[1:]):
+        n += delta.get(a, 0)
+        wall[b] = wall[a] + (b - a) * max(1.0, n * threads / cores)
+    return wall[edges[-1]], [sum(wall[b] - wall[a] for a, b in ws) for ws in spans]
