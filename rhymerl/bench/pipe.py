@@ -165,23 +165,6 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int,
     return t_all / sim.makespan_s, t_all / t_alone
 
 
-class _FrozenHistory:
-    """The history store as the measured steps see it: drafts and length predictions from the
-    first epoch, never the steps being measured (every policy must start from the same state)."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    def lengths(self, key: str) -> list[int]:
-        return self.store.lengths(key)
-
-    def export(self, key: str) -> list:
-        return self.store.export(key)
-
-    def add(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                   reps: int, speculation: bool = False) -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
@@ -208,17 +191,20 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     rows_data = all_rows[: steps * batch]
     r = cfg.rollout
 
-    def requests(rows: list, step: int) -> list:
+    def requests(rows: list, step: int, record: bool = False) -> list:
+        # Only the first epoch enters the history: every policy must plan and draft from the
+        # same state, never from the steps being measured.
         return [RolloutRequest(encode_prompt(tok, row.prompt),
                                SamplingParams(n=N_SAMPLES, temperature=r.temperature, max_tokens=r.max_tokens),
-                               rollout_seed(cfg.seed, step, row.key), row.key) for row in rows]
+                               rollout_seed(cfg.seed, step, row.key), row.key, record=record) for row in rows]
 
     named = dict(load_pretrained(model).named_parameters())
     cores = os.cpu_count() or 1
     store = HistoryStore()
     # epoch 1 (in one in-process worker) gives every prompt the history HistoPipe predicts from
     pool = make_pool("local", [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=0)], named)
-    RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256).rollout(requests(rows_data, 1), 1)
+    first = RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256)
+    first.rollout(requests(rows_data, 1, record=True), 1)
     pool.close()
     batches = [requests(rows_data[i * batch:(i + 1) * batch], 2 + i) for i in range(steps)]
     probe = requests(all_rows[steps * batch: steps * batch + 8], 0)  # calibration, apart from the steps
@@ -234,9 +220,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
         pool = make_pool("local", specs, named)
         co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05)
         warm = requests(rows_data[: 4 * R], 0)
-        # Epoch 2 must not leak into the next policy's predictions or drafts.
-        frozen = _FrozenHistory(store) if speculation else None
-        co.history = frozen
+        shipped = store if speculation else None  # drafts need the history on the workers
+        co.history = shipped
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
         # One scale for the in-process cost curve, measured on prompts the measured steps do not use
         factor, together = worker_cost_factor(co, probe, R, base_cost, cores, threads)
@@ -250,7 +235,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
             for i, reqs in enumerate(batches):
                 co.history = store
                 plan = co.plan(reqs, 2 + i, policy=policy, true_lengths=truth[i] if truth[i:] else None)
-                co.history = frozen
+                co.history = shipped
                 best, best_busy, tokens = float("inf"), 0.0, None
                 for _ in range(reps):
                     b0 = sum(co.busy_s.values())

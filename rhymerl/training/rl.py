@@ -200,9 +200,7 @@ class RLRun:
 
         predicted = self._predict(all_rows)  # before this step's lengths join the history
         t = time.perf_counter()
-        for i, o in enumerate(self.rollout.rollout(reqs, step, on_done=on_done)):
-            if i not in whole:
-                on_done(i, o)
+        self.rollout.rollout(reqs, step, on_done=on_done)  # on_done sees every request
         gen_s = time.perf_counter() - t - reward_s
         carry: list[CarriedGroup] = []
         done = [i for i in range(len(reqs)) if i in scored]
