@@ -3,9 +3,9 @@
 Two tables from one invocation:
 
 - measured: real rollout steps of the built-in task (the main job's 32 prompts x 8 samples)
-  on 2 and 4 local worker processes (speculation off, so scheduling is measured alone),
-  every policy on the same prompts, seeds and weights (so the same tokens, checked), with
-  the simulator's prediction of each step;
+  on 2 and 4 local worker processes, speculation off (scheduling alone, with the
+  simulator's prediction of each step) and on; every policy on the same prompts, seeds and
+  weights (so the same tokens, checked), the policies timed in turn, step by step;
 - simulated: the discrete-event simulator at 256 and 1,024 workers (16 prompts x 16 samples
   per worker), on our recorded length traces and on synthetic long-tailed ones, with the
   worker cost curve profiled here and with a GPU-shaped one.
@@ -135,6 +135,24 @@ profiled_cost = functools.lru_cache(maxsize=None)(profile_now)
 
 
 # --- measured --------------------------------------------------------------------------------------
+def _cpu_seconds(pool: Any) -> float | None:
+    """CPU seconds used so far by this process and the pool's worker processes (Linux ``/proc``);
+    None where they cannot be read (another OS, or workers that are not local processes)."""
+    total = time.process_time()
+    clock = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for h in pool.alive():
+        proc = getattr(h, "proc", None)
+        if proc is None:
+            return None
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / clock  # utime + stime
+    return total
+
+
 def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int, threads: int,
                        reps: int = 2) -> tuple[float, float]:
     """How much slower a worker process runs than ``cost`` (profiled in this process) says:
@@ -168,8 +186,13 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int,
 def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                   reps: int, speculation: bool = False) -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
-    step) per policy, after an epoch that gave every prompt a history. Also returns this
+    step) per policy, after an epoch that gave every prompt a history. Each step runs once
+    untimed, then ``reps`` rounds of every policy in turn (best time kept). Also returns this
     bench's (previous, next) length pairs and mean prompt length, a trace of its own.
+
+    ``core_utilisation`` is the CPU time of the workers and this process over cores x wall
+    time: where even split's is near 1, the cores are already busy and no schedule that does
+    the same work can be much faster (at most ``1 / utilisation``).
 
     With ``speculation`` the workers draft from that epoch (HistoSpec, the main job's
     settings), as in the system's real configuration; the simulator has no model of
@@ -228,39 +251,55 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
         sim_cost = co.cost = base_cost.scaled(factor, f"{base_cost.name} x{factor:.2f} (worker processes)")
         print(f"  R={R}: {threads} thread(s) per worker; probe: all {R} at once x{together:.2f} the time of one "
               f"alone, x{factor:.2f} the in-process curve's with {R} sharing {cores} cores", flush=True)
-        results: dict[str, dict] = {}
-        for policy in ("even", "least_loaded", "histopipe", "oracle"):
-            total = sim_total = busy_total = 0.0
-            moved = 0
-            for i, reqs in enumerate(batches):
-                co.history = store
-                plan = co.plan(reqs, 2 + i, policy=policy, true_lengths=truth[i] if truth[i:] else None)
-                co.history = shipped
-                best, best_busy, tokens = float("inf"), 0.0, None
-                for _ in range(reps):
-                    b0 = sum(co.busy_s.values())
-                    m0 = co.pipe.migrations + co.pipe.steals
+        policies = ("even", "least_loaded", "histopipe", "oracle")
+        acc = {p: {"step_s": 0.0, "busy": 0.0, "cpu": 0.0, "sim": 0.0, "moved": 0} for p in policies}
+        for i, reqs in enumerate(batches):
+            co.history = store
+            warm_plan = co.plan(reqs, 2 + i, policy="even")
+            co.history = shipped
+            # Untimed first: the oracle's true lengths, and the batch warm before any policy is timed.
+            tokens = [[c.token_ids for c in o.outputs] for o in co.rollout(reqs, 2 + i, plan=warm_plan)]
+            lengths = [[len(t) for t in o] for o in tokens]
+            if len(truth) <= i:
+                truth.append(lengths)
+                pairs += [(store.lengths(q.prompt_key), lens) for q, lens in zip(reqs, lengths)]
+            elif lengths != truth[i]:
+                raise AssertionError("the same seeds gave other lengths")
+            co.history = store
+            plans = {p: co.plan(reqs, 2 + i, policy=p, true_lengths=truth[i]) for p in policies}
+            co.history = shipped
+            best: dict[str, tuple[float, float, float]] = {}
+            # Policies take turns, in an order that rotates by step and round: this machine's
+            # speed drifts by tens of percent within minutes, and timing one policy's steps after
+            # another's put that drift into their ratio (up to 1.2x between identical schedules).
+            for rnd in range(reps):
+                k = (i + rnd) % len(policies)
+                for policy in policies[k:] + policies[:k]:
+                    b0, m0 = sum(co.busy_s.values()), co.pipe.migrations + co.pipe.steals
+                    c0 = _cpu_seconds(pool)
                     t = time.perf_counter()
-                    outs = co.rollout(reqs, 2 + i, plan=plan)
+                    outs = co.rollout(reqs, 2 + i, plan=plans[policy])
                     dt = time.perf_counter() - t
-                    if dt < best:
-                        best, best_busy = dt, sum(co.busy_s.values()) - b0
-                    moved += co.pipe.migrations + co.pipe.steals - m0
-                    toks = [[c.token_ids for c in o.outputs] for o in outs]
-                    assert tokens is None or toks == tokens, "the same seeds gave other tokens"
-                    tokens = toks
-                if len(truth) <= i:
-                    truth.append([[len(t) for t in o] for o in tokens])
-                    pairs += [(store.lengths(q.prompt_key), lens) for q, lens in zip(reqs, truth[i])]
-                elif [[len(t) for t in o] for o in tokens] != truth[i]:
-                    raise AssertionError("the same seeds gave other lengths")
-                total += best
-                busy_total += best_busy
-                sim_total += simulate(plan, truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
-                                      max_num_seqs=256, cores=cores, threads=threads).makespan_s
-            results[policy] = {"step_s": total / steps, "bubble_fraction": max(0.0, 1 - busy_total / (R * total)),
-                               "simulated_s": sim_total / steps, "moved": moved // reps,
-                               "tokens": sum(sum(map(sum, t)) for t in truth) / steps}
+                    c1 = _cpu_seconds(pool)
+                    acc[policy]["moved"] += co.pipe.migrations + co.pipe.steals - m0
+                    if [[c.token_ids for c in o.outputs] for o in outs] != tokens:
+                        raise AssertionError(f"{policy}: the same seeds gave other tokens")
+                    if policy not in best or dt < best[policy][0]:
+                        best[policy] = (dt, sum(co.busy_s.values()) - b0,
+                                        c1 - c0 if c0 is not None and c1 is not None else float("nan"))
+            for policy in policies:
+                a, (dt, busy, cpu) = acc[policy], best[policy]
+                a["step_s"] += dt
+                a["busy"] += busy
+                a["cpu"] += cpu
+                a["sim"] += simulate(plans[policy], truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
+                                     max_num_seqs=256, cores=cores, threads=threads).makespan_s
+        tokens_per_step = sum(sum(map(sum, t)) for t in truth) / steps
+        results: dict[str, dict] = {
+            p: {"step_s": a["step_s"] / steps, "bubble_fraction": max(0.0, 1 - a["busy"] / (R * a["step_s"])),
+                "core_utilisation": a["cpu"] / (cores * a["step_s"]), "simulated_s": a["sim"] / steps,
+                "moved": a["moved"] // reps, "tokens": tokens_per_step}
+            for p, a in acc.items()}
         pool.close()
         for policy, res in results.items():
             sim = {} if speculation else {"simulated_s": res["simulated_s"],
@@ -269,11 +308,15 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                              "speculation": speculation,
                              "prompts": batch, "samples": N_SAMPLES, "steps": steps, "policy": policy,
                              "makespan_s": res["step_s"], "bubble_fraction": res["bubble_fraction"],
+                             "core_utilisation": res["core_utilisation"],
                              "tok_s": res["tokens"] / res["step_s"], "moved": res["moved"],
                              "vs_even": results["even"]["step_s"] / res["step_s"],
                              "measured_s": res["step_s"], **sim})
         print(f"  measured R={R} (rollout s per step): " + ", ".join(
             f"{p} {results[p]['step_s']:.3f} (sim {results[p]['simulated_s']:.3f})" for p in results), flush=True)
+        util = results["even"]["core_utilisation"]
+        print(f"  measured R={R}: even split keeps {util:.0%} of the {cores} cores busy: filling the rest, a "
+              f"schedule doing the same work could be at most {1 / util:.2f}x faster", flush=True)
     return out_rows, (pairs, float(np.mean([len(q.prompt_ids) for b in batches for q in b])))
 
 
@@ -283,7 +326,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
 
     model = _default_model()
     print(f"model: {model}")
-    counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 2)
+    counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 3)
     print("measured: local worker processes, speculation off, same prompts/seeds/weights for every policy")
     rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps)
     if speculation:
@@ -316,7 +359,8 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
     print()
-    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "makespan_s", "bubble_fraction", "vs_even",
+    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "makespan_s", "bubble_fraction",
+                       "core_utilisation", "vs_even",
                        "vs_oracle", "simulated_s", "sim_error", "moved", "migrations", "steals"])
     return write_report(rows, json_path, {"length_rank_correlation": corr,
                                            "length_rank_correlation_by_stat": corrs})
