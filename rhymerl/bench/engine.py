@@ -98,8 +98,10 @@ def run(json_path: str | None = None, models: list[str] | None = None, batches: 
             _ours(llm, prompts[:2], 4)  # warm-up
             _hf_generate(hf, prompts[:2], 4)
             reps = 1 if quick else 2
-            ours_s = min(_ours(llm, prompts, n_new) for _ in range(reps))
-            hf_s = min(_hf_generate(hf, prompts, n_new) for _ in range(reps))
+            ours_s = hf_s = float("inf")
+            for _ in range(reps):  # in turn: this machine's speed drifts between runs
+                ours_s = min(ours_s, _ours(llm, prompts, n_new))
+                hf_s = min(hf_s, _hf_generate(hf, prompts, n_new))
             toks = B * n_new
             rows.append({"model": name, "params_m": round(sum(p.numel() for p in m.parameters()) / 1e6, 2),
                          "batch": B, "new_tokens": n_new, "engine_tok_s": toks / ours_s, "hf_tok_s": toks / hf_s,
