@@ -1,5 +1,8 @@
 """``rhymerl bench e2e``: the same short RL run with speculation off and on, in one invocation.
 
+The variants run side by side in this process, a step each in turn (no held-out
+evaluations: only the training steps are timed).
+
 Same seeds give the same tokens, so the two runs learn identically (checked here): only
 the time differs. Prompts are revisited every few steps, as in multi-epoch RL, so that
 history exists. Reports time per phase per step, the end-to-end speed-up, and plots both
@@ -23,13 +26,13 @@ SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         extra: list[str] | None = None) -> dict[str, Any]:
     from rhymerl.config import load_config
-    from rhymerl.training.rl import ensure_base_model, train
+    from rhymerl.training.rl import RLRun, ensure_base_model
 
     if quick:
         steps = 10
     base = str(ensure_base_model(load_config()))
     common = [f"model.path={base}", f"trainer.steps={steps}", "data.num_train=64", "trainer.batch_prompts=16",
-              "rollout.n=8", "trainer.save_every=1000", f"trainer.eval_every={steps}", *(extra or [])]
+              "rollout.n=8", *(extra or [])]
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
     variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
                 # two local worker processes (one core each): scheduling off (even split) and on
@@ -37,11 +40,23 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                                     "rollout.schedule=even"],
                 "histospec+histopipe": ["rollout.speculative.method=history", "rollout.workers=2",
                                         "rollout.schedule=histopipe"]}
-    results: dict[str, list[dict]] = {}
-    for name, ov in variants.items():
-        run_dir = tmp / name
-        train(load_config(None, common + ov + [f"trainer.output_dir={run_dir}"]), progress=False)
-        results[name] = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
+    runs = {name: RLRun(load_config(None, common + ov + [f"trainer.output_dir={tmp / name}"]), tmp / name,
+                        progress=False) for name, ov in variants.items()}
+    try:
+        names = list(runs)
+        for step in range(1, steps + 1):
+            # The variants take turns, a step each, in an order that rotates: this machine's
+            # speed drifts by tens of percent within minutes, and whole runs one after another
+            # put that drift (and the first run's warm-up) into their ratios.
+            k = step % len(names)
+            for name in names[k:] + names[:k]:
+                runs[name].metrics.log(step, runs[name].train_step(step))
+    finally:
+        for r in runs.values():
+            r.metrics.close()
+            r.close()
+    results = {name: [r for r in read_metrics(tmp / name / "metrics.jsonl") if "timing_s/step" in r]
+               for name in runs}
     learn = {k: [{m: v for m, v in r.items() if not m.startswith(SPEED)} for r in rows] for k, rows in results.items()}
     same = all(v == learn["baseline"] for v in learn.values())
     rows_out = []
