@@ -31,7 +31,9 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     if quick:
         steps = 10
     base = str(ensure_base_model(load_config()))
-    common = [f"model.path={base}", f"trainer.steps={steps}", "data.num_train=64", "trainer.batch_prompts=16",
+    num_train, batch_prompts = 64, 16
+    common = [f"model.path={base}", f"trainer.steps={steps}", f"data.num_train={num_train}",
+              f"trainer.batch_prompts={batch_prompts}",
               "rollout.n=8", *(extra or [])]
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
     variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
@@ -60,7 +62,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     learn = {k: [{m: v for m, v in r.items() if not m.startswith(SPEED)} for r in rows] for k, rows in results.items()}
     same = all(v == learn["baseline"] for v in learn.values())
     rows_out = []
-    skip = min(2, steps - 1)  # the first epochs have no history yet; report them apart
+    # the first epoch's prompts have no history yet: the "after epoch 1" columns leave it out
+    skip = min(num_train // batch_prompts, steps - 1)
     for name, rows in results.items():
         def mean(k: str, rs: list[dict] = rows) -> float:
             return float(np.mean([r[k] for r in rs]))
