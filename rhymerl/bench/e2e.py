@@ -42,9 +42,11 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                                     "rollout.schedule=even"],
                 "histospec+histopipe": ["rollout.speculative.method=history", "rollout.workers=2",
                                         "rollout.schedule=histopipe"]}
-    runs = {name: RLRun(load_config(None, common + ov + [f"trainer.output_dir={tmp / name}"]), tmp / name,
-                        progress=False) for name, ov in variants.items()}
-    try:
+    runs: dict[str, RLRun] = {}
+    try:  # built inside: a variant that fails to start still stops the workers of those before it
+        for name, ov in variants.items():
+            runs[name] = RLRun(load_config(None, common + ov + [f"trainer.output_dir={tmp / name}"]), tmp / name,
+                               progress=False)
         names = list(runs)
         for step in range(1, steps + 1):
             # The variants take turns, a step each, in an order that rotates: this machine's

@@ -183,8 +183,8 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int,
     return t_all / sim.makespan_s, t_all / t_alone
 
 
-def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
-                  reps: int, speculation: bool = False) -> tuple[list[dict], tuple[list, float]]:
+def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, reps: int,
+                  modes: tuple[bool, ...] = (False,)) -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
     step) per policy, after an epoch that gave every prompt a history. Each step runs once
     untimed, then ``reps`` rounds of every policy in turn (best time kept). Also returns this
@@ -194,9 +194,11 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     time: where even split's is near 1, the cores are already busy and no schedule that does
     the same work can be much faster (at most ``1 / utilisation``).
 
-    With ``speculation`` the workers draft from that epoch (HistoSpec, the main job's
-    settings), as in the system's real configuration; the simulator has no model of
-    speculation, so those rows carry no prediction."""
+    ``modes``: speculation off and/or on. With it on, the workers draft from that epoch
+    (HistoSpec, the main job's settings), as in the system's real configuration; the
+    simulator has no model of speculation, so those rows carry no prediction (and the
+    calibration that serves it is skipped). Both modes share the epoch and the true lengths:
+    speculation must not change a token, and the bench checks it does not."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
@@ -208,7 +210,6 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     from rhymerl.training.rl import rollout_seed
 
     cfg = load_config()
-    speculative = worker_specs(cfg, model)[0].speculative if speculation else None
     tok = load_tokenizer(model)
     all_rows = task_splits(cfg.data, cfg.seed)[0]
     rows_data = all_rows[: steps * batch]
@@ -234,7 +235,12 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
     out_rows: list[dict] = []
     pairs: list = []
     truth: list[list[list[int]]] = []
-    for R in worker_counts:
+    for speculation, R in [(m, R) for m in modes for R in worker_counts]:
+        if R == worker_counts[0]:
+            mode = "on (drafts from the first epoch)" if speculation else "off"
+            print(f"measured: local worker processes, speculation {mode}, same prompts/seeds/weights for every policy",
+                  flush=True)
+        speculative = worker_specs(cfg, model)[0].speculative if speculation else None
         threads = max(1, cores // R)
         # timed right before the runs it predicts: this machine's speed drifts within a bench
         base_cost = profile_now(model, threads)
@@ -246,11 +252,12 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
         shipped = store if speculation else None  # drafts need the history on the workers
         co.history = shipped
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
-        # One scale for the in-process cost curve, measured on prompts the measured steps do not use
-        factor, together = worker_cost_factor(co, probe, R, base_cost, cores, threads)
-        sim_cost = co.cost = base_cost.scaled(factor, f"{base_cost.name} x{factor:.2f} (worker processes)")
-        print(f"  R={R}: {threads} thread(s) per worker; probe: all {R} at once x{together:.2f} the time of one "
-              f"alone, x{factor:.2f} the in-process curve's with {R} sharing {cores} cores", flush=True)
+        sim_cost = base_cost
+        if not speculation:  # one scale for the simulator's curve, measured on prompts the steps do not use
+            factor, together = worker_cost_factor(co, probe, R, base_cost, cores, threads)
+            sim_cost = co.cost = base_cost.scaled(factor, f"{base_cost.name} x{factor:.2f} (worker processes)")
+            print(f"  R={R}: {threads} thread(s) per worker; probe: all {R} at once x{together:.2f} the time of "
+                  f"one alone, x{factor:.2f} the in-process curve's with {R} sharing {cores} cores", flush=True)
         policies = ("even", "least_loaded", "histopipe", "oracle")
         acc = {p: {"step_s": 0.0, "busy": 0.0, "cpu": 0.0, "sim": 0.0, "moved": 0} for p in policies}
         for i, reqs in enumerate(batches):
@@ -292,8 +299,9 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                 a["step_s"] += dt
                 a["busy"] += busy
                 a["cpu"] += cpu
-                a["sim"] += simulate(plans[policy], truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
-                                     max_num_seqs=256, cores=cores, threads=threads).makespan_s
+                if not speculation:
+                    a["sim"] += simulate(plans[policy], truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
+                                         max_num_seqs=256, cores=cores, threads=threads).makespan_s
         tokens_per_step = sum(sum(map(sum, t)) for t in truth) / steps
         results: dict[str, dict] = {
             p: {"step_s": a["step_s"] / steps, "bubble_fraction": max(0.0, 1 - a["busy"] / (R * a["step_s"])),
@@ -313,7 +321,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int,
                              "vs_even": results["even"]["step_s"] / res["step_s"],
                              "measured_s": res["step_s"], **sim})
         print(f"  measured R={R} (rollout s per step): " + ", ".join(
-            f"{p} {results[p]['step_s']:.3f} (sim {results[p]['simulated_s']:.3f})" for p in results), flush=True)
+            f"{p} {results[p]['step_s']:.3f}" + ("" if speculation else f" (sim {results[p]['simulated_s']:.3f})")
+            for p in results), flush=True)
         util = results["even"]["core_utilisation"]
         print(f"  measured R={R}: even split keeps {util:.0%} of the {cores} cores busy: filling the rest, a "
               f"schedule doing the same work could be at most {1 / util:.2f}x faster", flush=True)
@@ -327,11 +336,8 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     model = _default_model()
     print(f"model: {model}")
     counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 3)
-    print("measured: local worker processes, speculation off, same prompts/seeds/weights for every policy")
-    rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps)
-    if speculation:
-        print("measured: the same, with HistoSpec on (drafts from the first epoch)")
-        rows += measured_rows(model, counts, steps=steps, batch=32, reps=reps, speculation=True)[0]
+    rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps,
+                                      modes=(False, True) if speculation else (False,))
     trace_path = Path(traces) if traces else None
     if trace_path is None:
         from rhymerl.config import load_config
