@@ -42,6 +42,20 @@ class DataSection:
     num_val: int = 200
     reward_file: str | None = None  # a Python file with compute_score(...)
     reward_fn_name: str = "compute_score"
+    # Rows whose prompt leaves fewer than this many tokens within rollout.max_model_len are
+    # dropped at load, counted and warned about (verl's filter_overlong_prompts).
+    min_response_tokens: int = 16
+    # A row the tokenizer cannot encode is an error naming the file, row and characters;
+    # true: drop such rows, count them and warn instead.
+    skip_bad_rows: bool = False
+
+
+@dataclass
+class RewardSection:
+    # Reward functions run in a pool of processes; a call running longer than this scores 0
+    # and is counted (reward/timeouts), its worker replaced. Must be > 0.
+    timeout_s: float = 10.0
+    workers: int = 1  # reward processes (each call of a step's group goes to one of them)
 
 
 @dataclass
@@ -162,6 +176,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -272,6 +287,12 @@ def _validate(cfg: RunConfig) -> None:
     for key in positive:
         if flat[key] <= 0:
             raise ConfigError(f"{key}: must be > 0, got {flat[key]}")
+    if not cfg.reward.timeout_s > 0:
+        raise ConfigError(f"reward.timeout_s: must be > 0, got {cfg.reward.timeout_s}")
+    if cfg.reward.workers <= 0:
+        raise ConfigError(f"reward.workers: must be > 0, got {cfg.reward.workers}")
+    if cfg.data.min_response_tokens < 1:
+        raise ConfigError(f"data.min_response_tokens: must be >= 1, got {cfg.data.min_response_tokens}")
     if cfg.trainer.micro_batch_tokens < 0:
         raise ConfigError(f"trainer.micro_batch_tokens: must be >= 0 (0: off), got {cfg.trainer.micro_batch_tokens}")
     if cfg.rollout.carry_over_tokens < 0:
@@ -320,4 +341,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    from rhymerl.atomic_io import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

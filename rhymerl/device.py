@@ -1,6 +1,11 @@
 """Device and dtype selection: CUDA when present, else CPU; one code path for both."""
 from __future__ import annotations
 
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
 import torch
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -24,3 +29,24 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose from {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a run or benchmark ran on: float results are exact per CPU model, torch build
+    and thread count (other CPU models round differently), so every report names them."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info

@@ -2,31 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
+from rhymerl.device import machine_info
 
 
 def write_report(rows: list[dict[str, Any]], path: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -129,9 +129,9 @@ def run(json_path: str | None = None, *, model: str | None = None, prompts: int 
         # turns in every round so that this machine's drifting speed hits them all alike.
         for method, (llm, prop) in engines.items():
             st = llm.engine.stats
-            b0, a0, d0, ds0, g0 = sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated
+            b0, a0, d0, ds0, g0 = st.decode_rows, st.accepted, st.drafted, st.draft_s, st.generated
             outs, wall = timed(llm)
-            b1, a1, d1, ds1, g1 = sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated
+            b1, a1, d1, ds1, g1 = st.decode_rows, st.accepted, st.drafted, st.draft_s, st.generated
             tokens = [[c.token_ids for c in o.outputs] for o in outs]
             if ref_tokens is None:
                 ref_tokens = tokens

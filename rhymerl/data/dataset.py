@@ -34,6 +34,7 @@ class PromptRow:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
+    origin: str = ""  # where the row came from, for errors: "train.jsonl: row 17"
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -83,7 +84,7 @@ def parse_row(raw: Any, *, source: str, row: int) -> PromptRow:
     if not isinstance(index, (int, str)) or isinstance(index, bool):
         raise DatasetError(f"{where}: field 'extra_info.index' must be an int or a string")
     return PromptRow(key=str(index), prompt=prompt, data_source=data_source,
-                     ground_truth=rm["ground_truth"], extra_info=dict(extra))
+                     ground_truth=rm["ground_truth"], extra_info=dict(extra), origin=where)
 
 
 def load_dataset_files(paths: list[str] | str) -> list[PromptRow]:
@@ -120,7 +121,8 @@ def task_dataset(task: Task, n: int, seed: int, *, exclude: set[str] | None = No
         seen.add(p.prompt)
         rows.append(PromptRow(key=f"{key_prefix}{len(rows)}", prompt=p.prompt, data_source=task.data_source,
                               ground_truth=p.ground_truth,
-                              extra_info={"index": len(rows), "solution": p.solution}))
+                              extra_info={"index": len(rows), "solution": p.solution},
+                              origin=f"task {task.name}: row {len(rows)}"))
     return rows
 
 

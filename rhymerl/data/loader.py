@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rhymerl.data.dataset import PromptRow
 
@@ -11,35 +11,59 @@ from rhymerl.data.dataset import PromptRow
 class LoaderState:
     epoch: int = 0
     index: int = 0  # position within the epoch's permutation
+    # Rows of this epoch skipped at the batch that crossed into it (they were already in that
+    # batch from the epoch before); served first, so each epoch still serves every row once.
+    deferred: list[int] = field(default_factory=list)
 
 
 class PromptLoader:
-    """Yields batches of prompts; each epoch is a fresh permutation drawn from (seed, epoch)."""
+    """Yields batches of prompts; each epoch is a fresh permutation drawn from (seed, epoch).
+
+    A batch never holds one prompt twice: a batch that straddles an epoch boundary takes the
+    new epoch's rows that are not already in it, and defers the others to the next batch
+    (the same prompt twice in a batch would be the same group, same seed, twice).
+    """
 
     def __init__(self, rows: list[PromptRow], batch_size: int, seed: int) -> None:
         if batch_size > len(rows):
             raise ValueError(f"batch of {batch_size} prompts but the dataset has only {len(rows)}")
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.state = LoaderState()
+        self._perm_cache: tuple[int, list[int]] = (-1, [])
 
     def _perm(self, epoch: int) -> list[int]:
-        return random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.rows)), len(self.rows))
+        if self._perm_cache[0] != epoch:
+            perm = random.Random(self.seed * 1_000_003 + epoch).sample(range(len(self.rows)), len(self.rows))
+            self._perm_cache = (epoch, perm)
+        return self._perm_cache[1]
 
     def next_batch(self, size: int | None = None) -> list[PromptRow]:
-        """The next ``size`` prompts, continuing into the next epoch when this one runs out."""
-        size = size or self.batch_size
-        out: list[PromptRow] = []
-        while len(out) < size:
-            perm = self._perm(self.state.epoch)
-            take = perm[self.state.index: self.state.index + size - len(out)]
-            out += [self.rows[i] for i in take]
-            self.state.index += len(take)
-            if self.state.index >= len(perm):
-                self.state = LoaderState(self.state.epoch + 1, 0)
-        return out
+        """The next ``size`` distinct prompts, continuing into the next epoch when this one runs out."""
+        size = min(size or self.batch_size, len(self.rows))
+        taken: list[int] = []
+        chosen: set[int] = set()
+        while len(taken) < size:
+            st = self.state
+            j = next((j for j, i in enumerate(st.deferred) if i not in chosen), None)
+            if j is not None:
+                i = st.deferred.pop(j)
+            elif st.index < len(self.rows):
+                i = self._perm(st.epoch)[st.index]
+                st.index += 1
+                if i in chosen:
+                    st.deferred.append(i)
+                    continue
+            else:
+                # (Deferred rows still here only when an epoch is shorter than two batches:
+                # they stay deferred, into the next epoch.)
+                self.state = LoaderState(st.epoch + 1, 0, st.deferred)
+                continue
+            taken.append(i)
+            chosen.add(i)
+        return [self.rows[i] for i in taken]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.state.epoch, "index": self.state.index}
+        return {"epoch": self.state.epoch, "index": self.state.index, "deferred": list(self.state.deferred)}
 
     def load_state_dict(self, d: dict) -> None:
-        self.state = LoaderState(int(d["epoch"]), int(d["index"]))
+        self.state = LoaderState(int(d["epoch"]), int(d["index"]), [int(i) for i in d.get("deferred", [])])

@@ -282,20 +282,35 @@ class RayHandle(WorkerHandle):
             pass
 
 
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads: int = 1) -> None:
+    """Start a local Ray cluster (``address=None``) or join one, unless Ray is already up.
+
+    Ray's token authentication stays as Ray sets it, and no process-wide environment is
+    changed here: a local cluster gets a token that ``ray.init`` generates under ``~/.ray/``
+    (on by default since Ray 2.59); joining a cluster sends that cluster's token, found by Ray
+    when ``RAY_AUTH_MODE=token`` is set with ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token`` (see the README). Ray 2.60's servers listen on every interface
+    whatever node address is given (measured with ``ss -ltnp``): the token is the protection.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+
+
 class RayPool(WorkerPool):
-    """Each worker a Ray actor. ``address=None`` starts a local cluster bound to localhost."""
+    """Each worker a Ray actor. ``address=None`` starts a local cluster; else joins that one
+    (authenticated: see :func:`init_ray`)."""
 
     def __init__(self, specs: list[WorkerSpec], *, address: str | None = None, num_cpus: int | None = None) -> None:
         import ray
 
-        if not ray.is_initialized():
-            if address:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
-            else:
-                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-                ray.init(num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), include_dashboard=False,
-                         _node_ip_address="127.0.0.1", log_to_driver=False,
-                         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(specs[0].threads)}})
+        init_ray(address, num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), threads=specs[0].threads)
         actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
         self.handles = [RayHandle(i, actor_cls.remote(spec)) for i, spec in enumerate(specs)]
         ray.get([h.actor.ping.remote() for h in self.handles])

@@ -133,19 +133,24 @@ class RolloutCoordinator:
         return outs
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
-    def generate(self, prompts: Iterable[str | list[int]], sampling_params: SamplingParams | None = None, *,
+    def generate(self, prompts: Iterable[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  prompt_keys: list[str] | None = None, step: int = -1, use_tqdm: bool = False,
                  policy: str = "least_loaded") -> list[RequestOutput]:
         """Like :meth:`rhymerl.engine.LLM.generate` (no history is recorded without prompt keys)."""
         from rhymerl.tokenizer import encode_prompt
 
+        prompts = list(prompts)
         params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         reqs = []
-        for i, pr in enumerate(prompts):
+        for i, (pr, sp) in enumerate(zip(prompts, plist)):
             ids = pr if isinstance(pr, list) and (not pr or isinstance(pr[0], int)) else \
                 encode_prompt(self.tokenizer, pr)  # type: ignore[arg-type]
-            seed = params.seed if params.seed is not None else i
-            reqs.append(RolloutRequest(list(ids), params, seed, prompt_keys[i] if prompt_keys else None))
+            seed = sp.seed if sp.seed is not None else i
+            reqs.append(RolloutRequest(list(ids), sp, seed, prompt_keys[i] if prompt_keys else None))
         hist, self.history = self.history, (self.history if prompt_keys else None)
         try:
             return self.rollout(reqs, step, plan=self.plan(reqs, step, policy=policy))
@@ -235,7 +240,6 @@ class _StepRun:
         st = self.co.stats
         for k in ENGINE_COUNTERS:
             setattr(st, k, getattr(st, k) + rep.stats[k])
-        st.batch_sizes.extend(rep.stats["batch_sizes"])
         self.co.busy_s[h.index] += rep.stats["step_s"]
         for it in rep.finished:
             p = self.item_prompt.pop(it.item_id)

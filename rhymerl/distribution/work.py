@@ -9,7 +9,7 @@ from rhymerl.engine.sampling_params import SamplingParams
 
 
 # EngineStats counters a worker reports as deltas and the coordinator sums
-ENGINE_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s")
+ENGINE_COUNTERS = ("forwards", "prefills", "generated", "drafted", "accepted", "draft_s", "step_s", "decode_rows")
 
 
 @dataclass

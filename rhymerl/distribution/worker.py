@@ -31,7 +31,6 @@ class RolloutWorker:
         self._item_rid: dict[int, int] = {}
         self._step: int | None = None
         self._done: list[ItemResult] = []  # finished by an abort, reported with the next advance
-        self._batch_mark = 0
         self._mark = self._counters()
 
     def _counters(self) -> dict[str, float]:
@@ -103,8 +102,5 @@ class RolloutWorker:
                 waiting.append((item, s.sample_index))
         now = self._counters()
         stats: dict[str, Any] = {k: now[k] - self._mark[k] for k in ENGINE_COUNTERS}
-        bs = self.engine.stats.batch_sizes
-        stats["batch_sizes"] = bs[self._batch_mark:]
-        self._batch_mark = len(bs)
         self._mark = now
         return WorkerReport(finished, running, waiting, stats)

@@ -93,6 +93,13 @@ class HistoryDrafter:
         self.overhead = StepOverhead()  # fresh measurements per rollout step
         self._fill = max(self._fill, 0.5)  # new history: expect drafts again
         self.acceptance.relax(0.5)
+        self._prune_indices()
+
+    def _prune_indices(self) -> None:
+        """Drop the indices of prompts the store no longer holds (evicted by its caps), so this
+        cache never outgrows the store it mirrors."""
+        for key in [k for k in self._indices if k not in self.store.prompts]:
+            del self._indices[key]
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
         cfg = self.cfg
@@ -230,6 +237,8 @@ class HistoryDrafter:
                 w = 1.0 + self.cfg.reward_weight * (rew or 0.0)
                 idx.add(self._stored(h.prompt_tail, resp), weight=w, final=True)
         self._indices[key] = (h.revision, idx)
+        if len(self._indices) > 2 * len(self.store.prompts) + 64:  # an engine never told of new steps
+            self._prune_indices()
         self._build_s += time.perf_counter() - t0
         return idx
 

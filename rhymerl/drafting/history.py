@@ -12,10 +12,11 @@ import gzip
 import hashlib
 import json
 import logging
-import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rhymerl.atomic_io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -40,7 +41,9 @@ class Rollout:
 class PromptHistory:
     prompt_tail: list[int]
     rollouts: deque[Rollout] = field(default_factory=deque)
-    revision: int = 0  # bumps whenever this prompt's rollouts or rewards change
+    # Drawn from the store's one counter whenever this prompt's rollouts or rewards change, so a
+    # prompt dropped and recorded again (``put``) never gets back a revision an index was built at.
+    revision: int = 0
 
 
 class HistoryStore:
@@ -52,6 +55,11 @@ class HistoryStore:
         self._order: OrderedDict[tuple[str, int], None] = OrderedDict()  # (key, step) oldest first
         self.total_tokens = 0
         self.version = 0  # bumps on every change; drafters rebuild indices lazily
+        self._revisions = 0  # store-wide and monotonic: the source of every PromptHistory.revision
+
+    def _touch(self, h: PromptHistory) -> None:
+        self._revisions += 1
+        h.revision = self._revisions
 
     def __contains__(self, key: str) -> bool:
         return key in self.prompts and bool(self.prompts[key].rollouts)
@@ -64,7 +72,7 @@ class HistoryStore:
         """Record one rollout (all responses of one prompt in one step)."""
         h = self.prompts.setdefault(key, PromptHistory(list(prompt_ids[-self.prompt_tail:])))
         h.prompt_tail = list(prompt_ids[-self.prompt_tail:])
-        h.revision += 1
+        self._touch(h)
         r = Rollout(step, [list(x) for x in responses], list(rewards) if rewards else [None] * len(responses))
         if h.rollouts and h.rollouts[-1].step == step:  # the same step again: merge (samples split up)
             last = h.rollouts[-1]
@@ -89,12 +97,12 @@ class HistoryStore:
         for r in h.rollouts:
             if r.step == step and len(r.rewards) == len(rewards):
                 r.rewards = list(rewards)
-                h.revision += 1
+                self._touch(h)
                 self.version += 1
 
     def _drop(self, key: str, step: int) -> None:
         h = self.prompts[key]
-        h.revision += 1
+        self._touch(h)
         for r in list(h.rollouts):
             if r.step == step:
                 h.rollouts.remove(r)
@@ -131,6 +139,10 @@ class HistoryStore:
         self.max_rollouts, self.prompt_tail = other.max_rollouts, other.prompt_tail
         self.tokenizer_fingerprint = other.tokenizer_fingerprint or self.tokenizer_fingerprint
         self.prompts, self._order, self.total_tokens = other.prompts, other._order, other.total_tokens
+        # Revisions continue past both stores' so no cached index can match a taken-over prompt.
+        self._revisions = max(self._revisions, other._revisions)
+        for h in self.prompts.values():
+            self._touch(h)
         self.version += 1
 
     # --- persistence -------------------------------------------------------------------
@@ -149,11 +161,7 @@ class HistoryStore:
     def save(self, path: str | Path) -> None:
         body = json.dumps(self._payload(), separators=(",", ":"), sort_keys=True)
         doc = json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "body": body})
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with gzip.open(tmp, "wt") as f:
-            f.write(doc)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, gzip.compress(doc.encode(), compresslevel=6))
 
     @classmethod
     def load(cls, path: str | Path, *, tokenizer_fingerprint: str | None = None,
@@ -169,16 +177,46 @@ class HistoryStore:
             data = json.loads(body)
             if data.get("version") != FORMAT_VERSION:
                 raise ValueError(f"format version {data.get('version')} (expected {FORMAT_VERSION})")
+            if tokenizer_fingerprint and data["tokenizer"] and data["tokenizer"] != tokenizer_fingerprint:
+                log.warning("history store %s belongs to another tokenizer (%s != %s); discarded",
+                            path, data["tokenizer"], tokenizer_fingerprint)
+                return empty
+            # A body with a valid checksum can still be malformed (written by other code, or
+            # by hand): every field is checked inside this guard, like any other bad store.
+            store = cls(max_rollouts=_positive_int(data["max_rollouts"]), max_total_tokens=max_total_tokens,
+                        prompt_tail=_positive_int(data["prompt_tail"]), tokenizer_fingerprint=data["tokenizer"])
+            rows = []
+            for k, h in data["prompts"].items():
+                tail = _token_list(h["tail"])
+                for r in h["rollouts"]:
+                    responses = [_token_list(x) for x in r["responses"]]
+                    rewards = r["rewards"]
+                    if not isinstance(rewards, list) or len(rewards) != len(responses) or not all(
+                            w is None or isinstance(w, (int, float)) and not isinstance(w, bool) for w in rewards):
+                        raise ValueError(f"prompt {k!r}: rewards do not match its responses")
+                    rows.append((_int(r["step"]), str(k), tail, responses, rewards))
+            for step, key, tail, responses, rewards in sorted(rows, key=lambda x: x[0]):
+                store.add(key, tail, responses, step, rewards)
         except Exception as e:  # noqa: BLE001 - a broken history must never stop training
-            log.warning("history store %s discarded (%s); continuing without drafts from history", path, e)
+            log.warning("history store %s discarded (%s: %s); continuing without drafts from history",
+                        path, type(e).__name__, e)
             return empty
-        if tokenizer_fingerprint and data["tokenizer"] and data["tokenizer"] != tokenizer_fingerprint:
-            log.warning("history store %s belongs to another tokenizer (%s != %s); discarded",
-                        path, data["tokenizer"], tokenizer_fingerprint)
-            return empty
-        store = cls(max_rollouts=data["max_rollouts"], max_total_tokens=max_total_tokens,
-                    prompt_tail=data["prompt_tail"], tokenizer_fingerprint=data["tokenizer"])
-        rows = [(r["step"], k, h["tail"], r) for k, h in data["prompts"].items() for r in h["rollouts"]]
-        for step, key, tail, r in sorted(rows, key=lambda x: x[0]):
-            store.add(key, tail, r["responses"], step, r["rewards"])
         return store
+
+
+def _int(x: object) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise ValueError(f"expected an integer, got {x!r}")
+    return x
+
+
+def _positive_int(x: object) -> int:
+    if _int(x) <= 0:
+        raise ValueError(f"expected a positive integer, got {x!r}")
+    return x  # type: ignore[return-value]
+
+
+def _token_list(x: object) -> list[int]:
+    if not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x):
+        raise ValueError("expected a list of token ids")
+    return x

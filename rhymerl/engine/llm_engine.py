@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,12 +27,14 @@ class EngineStats:
     accepted: int = 0
     draft_s: float = 0.0
     step_s: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
+    # Rows scored by decode forwards (the sum of the batch sizes): a counter, not a list per
+    # step, so a long-lived engine's stats stay the same size.
+    decode_rows: int = 0
 
     @property
     def accepted_per_forward(self) -> float:
         """Tokens emitted per sequence per decode forward (1.0 without speculation)."""
-        rows = sum(self.batch_sizes)
+        rows = self.decode_rows
         return (rows + self.accepted) / rows if rows else 0.0
 
 
@@ -141,7 +143,7 @@ class LLMEngine:
             width = 1 + max((len(d) for d in drafts if d is not None), default=0) if drafts else 1
             res = self.runner.decode(running, drafts)
             self.stats.forwards += 1
-            self.stats.batch_sizes.append(len(running))
+            self.stats.decode_rows += len(running)
             for s, toks, lps, nd, na in zip(running, res.tokens, res.logprobs, res.drafted, res.accepted):
                 s.num_forwards += 1
                 s.num_drafted += nd

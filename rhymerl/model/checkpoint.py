@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rhymerl.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from rhymerl.model.config import ModelConfig
 from rhymerl.model.llama import CausalLM
 
@@ -146,19 +147,15 @@ def save_pretrained(model: CausalLM, path: str | Path, *, max_shard_bytes: int =
             _atomic_save(shard, folder / name, meta)
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in sd.values())
-        _atomic_write_text(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+        atomic_write_text(folder / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
                                                             "weight_map": weight_map}, indent=2))
         (folder / SINGLE_FILE).unlink(missing_ok=True)
-    _atomic_write_text(folder / "config.json", json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    atomic_write_text(folder / "config.json", json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], dest: Path, meta: dict[str, str]) -> None:
     tmp = dest.with_name(dest.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    fsync_file(tmp)
     os.replace(tmp, dest)
-
-
-def _atomic_write_text(dest: Path, text: str) -> None:
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, dest)
+    fsync_dir(dest.parent)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from typing import Any
 
 _HASH_ANSWER = re.compile(r"####\s*([-+]?[\d,]*\.?\d+)")
@@ -27,17 +28,19 @@ def math_compute_score(data_source: str, solution_str: str, ground_truth: Any,
                        extra_info: dict[str, Any] | None = None) -> float:
     """1.0 when math-verify finds the response's answer equal to the ground truth.
 
-    math-verify's own timeouts use ``signal.alarm``, which fails outside the main thread,
-    so they are off here; the reward workers bound the time instead.
+    math-verify's own timeouts use ``signal.alarm``, which works in a process's main thread
+    only: on there (the reward pool's workers run every call in their main thread), off in
+    any other thread, where the pool's per-call timeout is the only bound.
     """
     from math_verify import parse, verify
 
     answer = extract_answer(solution_str)
     if answer is None:
         return 0.0
+    main = threading.current_thread() is threading.main_thread()
     gold = str(ground_truth)
-    gold_p = parse(f"${gold}$", parsing_timeout=None)
-    pred_p = parse(f"${answer}$", parsing_timeout=None)
+    gold_p = parse(f"${gold}$", parsing_timeout=5 if main else None)
+    pred_p = parse(f"${answer}$", parsing_timeout=5 if main else None)
     if not gold_p or not pred_p:
         return 0.0
-    return float(verify(gold_p, pred_p, timeout_seconds=None))
+    return float(verify(gold_p, pred_p, timeout_seconds=5 if main else None))

@@ -24,6 +24,36 @@ class RewardResult:
     score: float
     extra: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class RewardCall:
+    """One response to score (what crosses to the reward pool's processes)."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    where: str = ""  # names the row in errors ("prompt 17 sample 3")
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """How to build a :class:`RewardRegistry` in another process: the built-in verifiers, plus
+    ``fn_name`` from the user's ``reward_file`` for the data sources in ``sources``."""
+
+    reward_file: str | None = None
+    fn_name: str = "compute_score"
+    sources: tuple[str, ...] = ()
+
+    def build(self) -> "RewardRegistry":
+        reg = RewardRegistry()
+        if self.reward_file:
+            fn = load_reward_file(self.reward_file, self.fn_name)
+            for src in self.sources:
+                reg.register(src, fn, name=f"{self.fn_name} ({self.reward_file})")
+        return reg
 
 
 class RewardRegistry:
@@ -31,13 +61,22 @@ class RewardRegistry:
 
     def __init__(self, default: RewardFn | None = math_compute_score) -> None:
         self._fns: dict[str, RewardFn] = {}
+        self._names: dict[str, str] = {}
         self.default = default
         for cls in TASKS.values():
             task = cls()
-            self.register(task.data_source, lambda ds, s, gt, ei, _t=task: _t.score(s, str(gt)))
+            self.register(task.data_source, lambda ds, s, gt, ei, _t=task: _t.score(s, str(gt)),
+                          name=f"{cls.__name__}.score")
 
-    def register(self, data_source: str, fn: RewardFn) -> None:
+    def register(self, data_source: str, fn: RewardFn, *, name: str | None = None) -> None:
         self._fns[data_source] = fn
+        self._names[data_source] = name or getattr(fn, "__name__", repr(fn))
+
+    def name_for(self, data_source: str) -> str:
+        """The reward function's name, for errors."""
+        if data_source in self._names:
+            return self._names[data_source]
+        return getattr(self.default, "__name__", repr(self.default))
 
     def fn_for(self, data_source: str) -> RewardFn:
         fn = self._fns.get(data_source, self.default)
@@ -58,7 +97,13 @@ class RewardRegistry:
             return RewardResult(float(out))
         except Exception as e:  # noqa: BLE001 - any user error must be contained
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
-            return RewardResult(0.0, error=f"{where or data_source}: reward function raised {tb}")
+            return RewardResult(0.0, error=f"{where or data_source}: reward function "
+                                           f"{self.name_for(data_source)} raised {tb}")
+
+    def score_many(self, calls: list[RewardCall]) -> list[RewardResult]:
+        """Score every call here, in this process and thread (no time bound: see ``RewardPool``)."""
+        return [self.score(c.data_source, c.solution_str, c.ground_truth, c.extra_info, where=c.where)
+                for c in calls]
 
 
 def load_reward_file(path: str | Path, name: str = "compute_score") -> RewardFn:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rhymerl.atomic_io import fsync_dir, fsync_tree
 from rhymerl.model import CausalLM, load_pretrained, save_pretrained
 
 DONE = "COMPLETE"
@@ -43,40 +44,86 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, tokenizer: Any, o
         history.save(tmp / "history.json.gz")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     (tmp / DONE).write_text("ok\n")
+    fsync_tree(tmp)  # every byte on disk before the folder takes its final name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     old = sorted(p for p in final.parent.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
     for p in old[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (``.tmp`` folders and ones without the marker are skipped)."""
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be restored; the message names the folder and the file."""
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (``.tmp`` folders and ones without the marker are skipped)."""
     root = run_dir / "checkpoints"
     if not root.exists():
-        return None
-    done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / DONE).exists())
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (p / DONE).exists())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint."""
+    done = complete_checkpoints(run_dir)
     return done[-1] if done else None
 
 
 def load_checkpoint_into(ckpt: Path, model: CausalLM, optimizer: torch.optim.Optimizer, scheduler: Any,
                          *, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Restore model weights, optimizer, scheduler and RNGs; returns ``state.json``."""
-    loaded = load_pretrained(ckpt / "policy", device=device, dtype=dtype)
-    if loaded.config.to_hf_dict() != model.config.to_hf_dict():
-        raise ValueError(f"{ckpt}: checkpoint is of another model than the config describes")
-    model.load_state_dict(loaded.state_dict())
-    opt = torch.load(ckpt / "optim.pt", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(ckpt / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    pos, gauss, cached = rng["numpy_rest"].tolist()
-    np.random.set_state(("MT19937", rng["numpy"].numpy().astype(np.uint32), int(pos), int(gauss), cached))
-    random.setstate((3, tuple(int(x) for x in rng["python"].tolist()), None))
-    return json.loads((ckpt / "state.json").read_text())
+    """Restore model weights, optimizer, scheduler and RNGs; returns ``state.json``.
+
+    Every file is read and checked before any state is applied; a damaged checkpoint raises
+    :class:`CheckpointError` naming the file (the caller then falls back to an older one).
+    """
+    def read(name: str, fn: Any) -> Any:
+        try:
+            return fn(ckpt / name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any damage becomes one clear error
+            raise CheckpointError(f"{ckpt / name}: unreadable ({type(e).__name__}: {e})") from e
+
+    def policy(path: Path) -> dict[str, torch.Tensor]:
+        loaded = load_pretrained(path, device=device, dtype=dtype)
+        if loaded.config.to_hf_dict() != model.config.to_hf_dict():
+            raise CheckpointError(f"{path}: checkpoint is of another model than the config describes")
+        return loaded.state_dict()
+
+    def state(path: Path) -> dict[str, Any]:
+        st = json.loads(path.read_text())
+        if not isinstance(st, dict) or not isinstance(st.get("step"), int) or isinstance(st["step"], bool) \
+                or not isinstance(st.get("loader"), dict):
+            raise ValueError("expected an object with an integer 'step' and a 'loader' object")
+        return st
+
+    weights = read("policy", policy)
+    opt = read("optim.pt", lambda p: torch.load(p, weights_only=True))
+    rng = read("rng.pt", lambda p: torch.load(p, weights_only=True))
+    st = read("state.json", state)
+    saved_opt = optimizer.state_dict()
+    try:
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        pos, gauss, cached = rng["numpy_rest"].tolist()
+        np_state = ("MT19937", rng["numpy"].numpy().astype(np.uint32), int(pos), int(gauss), cached)
+        py_state = (3, tuple(int(x) for x in rng["python"].tolist()), None)
+        np.random.RandomState().set_state(np_state)  # validate before touching the global RNGs
+        random.Random().setstate(py_state)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    except Exception as e:  # noqa: BLE001
+        optimizer.load_state_dict(saved_opt)
+        raise CheckpointError(f"{ckpt}: optimizer, scheduler or RNG state does not fit this run "
+                              f"({type(e).__name__}: {e})") from e
+    return st
 
 
 def export_policy(run_dir: str | Path, out: str | Path | None = None) -> Path:

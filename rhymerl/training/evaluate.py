@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from rhymerl.data import PromptRow
 from rhymerl.engine import LLM, SamplingParams
-from rhymerl.rewards import RewardRegistry
+from rhymerl.rewards import RewardCall, RewardResult
+
+
+class Scorer(Protocol):
+    """A :class:`rhymerl.rewards.RewardRegistry` (in process) or :class:`rhymerl.rewards.RewardPool`."""
+
+    def score_many(self, calls: list[RewardCall]) -> list[RewardResult]: ...
+
+
+def prompt_seed(seed: int, key: str) -> int:
+    """One evaluation prompt's sampling seed: its own random streams, not the ones every other
+    prompt shares (one seed for all would correlate avg@n across prompts)."""
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) & ((1 << 62) - 1)
 
 
 @dataclass
@@ -21,16 +36,19 @@ class EvalResult:
         return {"min": int(a.min()), "median": float(np.median(a)), "max": int(a.max()), "mean": float(a.mean())}
 
 
-def evaluate(llm: LLM, rows: list[PromptRow], rewards: RewardRegistry, *, max_tokens: int,
+def evaluate(llm: LLM, rows: list[PromptRow], rewards: Scorer, *, max_tokens: int,
              temperature: float = 0.0, n: int = 1, seed: int = 0) -> EvalResult:
     """Mean reward over ``rows`` (greedy by default; with ``temperature > 0``, the mean over
-    ``n`` seeded samples per prompt, i.e. avg@n)."""
-    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    ``n`` samples per prompt, i.e. avg@n, each prompt seeded from ``seed`` and its key)."""
+    params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=prompt_seed(seed, r.key))
+              for r in rows]
     outs = llm.generate([r.prompt for r in rows], params, use_tqdm=False)
-    scores, lengths, ok = [], [], []
+    calls, lengths, ok = [], [], []
     for r, o in zip(rows, outs):
         for c in o.outputs:
-            scores.append(rewards.score(r.data_source, c.text, r.ground_truth, r.extra_info).score)
+            calls.append(RewardCall(r.data_source, c.text, r.ground_truth, r.extra_info,
+                                    where=f"held-out prompt {r.key} sample {c.index}"))
             lengths.append(len(c.token_ids))
             ok.append(c.finish_reason == "stop")
+    scores = [res.score for res in rewards.score_many(calls)]
     return EvalResult(float(np.mean(scores)), lengths, float(np.mean(ok)))

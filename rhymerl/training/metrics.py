@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rhymerl.atomic_io import read_jsonl, rewrite_jsonl
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
@@ -20,11 +22,8 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint (they will be redone)."""
-        if not self.path.exists():
-            return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(k + "\n" for k in keep))
+        if self.path.exists():
+            rewrite_jsonl(self.path, [r for r in read_jsonl(self.path) if r.get("step", 0) <= step])
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
@@ -42,7 +41,8 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    """The rows of a ``metrics.jsonl`` (a last line torn by a kill is dropped with a warning)."""
+    return read_jsonl(path)
 
 
 def plot_run(run_dir: Path) -> list[Path]:

@@ -19,17 +19,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rhymerl.config import RunConfig, load_config, save_config
+from rhymerl.atomic_io import atomic_write_text, read_jsonl, rewrite_jsonl
+from rhymerl.config import ConfigError, RunConfig, load_config, save_config
 from rhymerl.data import PromptRow
+from rhymerl.data.filters import filter_rows
 from rhymerl.data.loader import PromptLoader
 from rhymerl.data.splits import task_splits
-from rhymerl.device import resolve_device, resolve_dtype
+from rhymerl.device import machine_info, resolve_device, resolve_dtype
 from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.model import load_pretrained
-from rhymerl.rewards import RewardRegistry, load_reward_file
+from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.tokenizer import encode_prompt, load_tokenizer, tokenizer_fingerprint
 from rhymerl.training.algos import ADV_ESTIMATORS, kl_penalty, overlong_penalty
 from rhymerl.training.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
     latest_checkpoint,
     load_checkpoint_into,
     save_checkpoint,
@@ -68,6 +72,21 @@ def run_dir_for(cfg: RunConfig) -> Path:
     return Path(cfg.trainer.output_dir.format(task=cfg.data.task, seed=cfg.seed))
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function failed on every response of a step."""
+
+
+@dataclass
+class GroupScore:
+    """One prompt's responses scored."""
+
+    scores: list[float]
+    errors: int  # calls that raised (scored 0)
+    timeouts: int  # calls that ran past reward.timeout_s (scored 0)
+    extras: dict[str, list[float]]
+    first_error: str | None
+
+
 @dataclass
 class ScoredRollout:
     """One batch of prompts generated and scored (samples in the order of each output)."""
@@ -75,7 +94,9 @@ class ScoredRollout:
     rows: list[PromptRow]
     outs: list[RequestOutput]
     scores: list[list[float]]
-    errors: int  # reward functions that raised (scored 0)
+    errors: int  # reward calls that raised (scored 0)
+    timeouts: int  # reward calls past reward.timeout_s (scored 0)
+    first_error: str | None
     extras: dict[str, list[float]]  # extra values reward functions returned
     predicted: list[float | None]  # HistoPipe's length prediction per prompt (None: no history)
     gen_s: float  # generation time, the reward time overlapping it excluded
@@ -90,7 +111,8 @@ class RLRun:
     def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: bool = True) -> None:
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        if latest_checkpoint(run_dir) is None:  # a run's record is written once, never on resume
+            save_config(cfg, run_dir / "config.yaml")
         base = ensure_base_model(cfg)
         self.device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype)
@@ -98,17 +120,25 @@ class RLRun:
         self.model = load_pretrained(base, device=self.device, dtype=torch.float32 if self.device.type == "cpu"
                                      else dtype)
         ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
-        self.train_rows, self.val_rows = task_splits(cfg.data, cfg.seed)
+        train_rows, val_rows = task_splits(cfg.data, cfg.seed)
+        fit = dict(max_model_len=cfg.rollout.max_model_len, min_response_tokens=cfg.data.min_response_tokens,
+                   skip_bad_rows=cfg.data.skip_bad_rows)
+        self.train_rows, dropped = filter_rows(train_rows, self.tokenizer, what="train", **fit)
+        self.val_rows, val_dropped = filter_rows(val_rows, self.tokenizer, what="held-out", **fit) \
+            if val_rows else ([], None)
+        self.dropped_rows = {"data/dropped_overlong": len(dropped.overlong),
+                             "data/dropped_unencodable": len(dropped.unencodable)}
+        if val_dropped is not None:
+            self.dropped_rows["data/val_dropped"] = len(val_dropped.overlong) + len(val_dropped.unencodable)
         self.loader = PromptLoader(self.train_rows, cfg.trainer.batch_prompts, cfg.seed)
-        self.rewards = RewardRegistry()
-        if cfg.data.reward_file:
-            fn = load_reward_file(cfg.data.reward_file, cfg.data.reward_fn_name)
-            for src in {r.data_source for r in self.train_rows + self.val_rows}:
-                self.rewards.register(src, fn)
+        sources = tuple(sorted({r.data_source for r in self.train_rows + self.val_rows}))
+        self.reward_spec = RewardSpec(cfg.data.reward_file, cfg.data.reward_fn_name, sources)
+        self.rewards = RewardPool(self.reward_spec, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
         steps_per_update = cfg.trainer.ppo_epochs * cfg.trainer.ppo_mini_batches
         self.trainer = PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref,
                                      total_optimizer_steps=cfg.trainer.steps * steps_per_update,
-                                     temperature=cfg.rollout.temperature)
+                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                     top_k=cfg.rollout.top_k)
         spec = cfg.rollout.speculative
         self.history = None
         if spec.method != "none" or cfg.rollout.schedule == "histopipe":
@@ -134,30 +164,57 @@ class RLRun:
 
     # --- resume ----------------------------------------------------------------------------
     def resume(self) -> bool:
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is None:
+        """Continue from the newest checkpoint that loads; a damaged one is skipped with a
+        warning (it is never used half-way), and all of them damaged is an error."""
+        ckpts = complete_checkpoints(self.run_dir)
+        if not ckpts:
             return False
+        failures = []
+        for ckpt in reversed(ckpts):
+            try:
+                self._restore(ckpt)
+                self._after_restore()
+                print(f"resumed {self.run_dir} from {ckpt.name}")
+                break
+            except CheckpointError as e:
+                log.warning("%s; trying an older checkpoint", e)
+                print(f"warning: {e}; trying an older checkpoint")
+                failures.append(str(e))
+        else:
+            raise CheckpointError(f"{self.run_dir}: no checkpoint could be restored: " + "; ".join(failures))
+        return True
+
+    def _restore(self, ckpt: Path) -> None:
         state = load_checkpoint_into(ckpt, self.model, self.trainer.optimizer, self.trainer.scheduler,
                                      device=self.device, dtype=next(self.model.parameters()).dtype)
+        try:
+            self.loader.load_state_dict(state["loader"])
+            carried = [CarriedGroup.from_dict(d) for d in state.get("carried", [])]
+            bad_steps = int(state.get("bad_steps", 0))
+            initial = state.get("initial_accuracy")
+            if initial is not None and not (isinstance(initial, dict) and all(
+                    isinstance(v, (int, float)) for v in initial.values())):
+                raise ValueError(f"initial_accuracy {initial!r} is not a mapping of numbers")
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{ckpt / 'state.json'}: malformed ({type(e).__name__}: {e})") from e
         self.step = state["step"]
-        self.loader.load_state_dict(state["loader"])
-        self.initial_accuracy = state.get("initial_accuracy")
-        self.trainer.bad_steps = state.get("bad_steps", 0)
-        self.carried = [CarriedGroup.from_dict(d) for d in state.get("carried", [])]
-        if self.history is not None and (ckpt / "history.json.gz").exists():
+        self.initial_accuracy = initial
+        self.trainer.bad_steps = bad_steps
+        self.carried = carried
+        if self.history is not None:
             from rhymerl.drafting import HistoryStore
 
+            # A missing or damaged store is discarded inside load (history only accelerates).
             loaded = HistoryStore.load(ckpt / "history.json.gz",
                                        tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
             self.history.replace_with(loaded)
+
+    def _after_restore(self) -> None:
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
         self.metrics.truncate_after(self.step)
         traces = self.run_dir / "traces.jsonl"
         if traces.exists():
-            keep = [ln for ln in traces.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
-            traces.write_text("".join(ln + "\n" for ln in keep))
-        print(f"resumed {self.run_dir} from {ckpt.name}")
-        return True
+            rewrite_jsonl(traces, [t for t in read_jsonl(traces) if t.get("step", 0) <= self.step])
 
     # --- one step ------------------------------------------------------------------------------
     def _rollout(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup] | None = None) -> ScoredRollout:
@@ -183,7 +240,7 @@ class RLRun:
                                 rollout_seed(self.cfg.seed, step, row.key), row.key, record=budget == 0)
                  for row in rows]
         limits = [min(r.max_tokens, r.max_model_len - len(q.prompt_ids)) for q in reqs]
-        scored: dict[int, tuple[list[list[float]], int, dict[str, list[float]]]] = {}
+        scored: dict[int, GroupScore] = {}
         whole: dict[int, RequestOutput] = {}
         reward_s = 0.0
 
@@ -195,7 +252,7 @@ class RLRun:
             if budget and not out.error and paused_samples(out, limits[i]):
                 return  # paused: scored when the group is whole
             t = time.perf_counter()
-            scored[i] = self._score([all_rows[i]], [out])
+            scored[i] = self._score(all_rows[i], out)
             reward_s += time.perf_counter() - t
 
         predicted = self._predict(all_rows)  # before this step's lengths join the history
@@ -219,10 +276,12 @@ class RLRun:
                     self.history.add(all_rows[i].key, reqs[i].prompt_ids, [c.token_ids for c in out.outputs], step)
         extras: dict[str, list[float]] = {}
         for i in done:
-            for k, v in scored[i][2].items():
+            for k, v in scored[i].extras.items():
                 extras.setdefault(k, []).extend(v)
-        return ScoredRollout([all_rows[i] for i in done], [whole[i] for i in done], [scored[i][0][0] for i in done],
-                             sum(scored[i][1] for i in done), extras, [predicted[i] for i in done],
+        return ScoredRollout([all_rows[i] for i in done], [whole[i] for i in done], [scored[i].scores for i in done],
+                             sum(scored[i].errors for i in done), sum(scored[i].timeouts for i in done),
+                             next((scored[i].first_error for i in done if scored[i].first_error), None),
+                             extras, [predicted[i] for i in done],
                              gen_s=gen_s, reward_s=reward_s, carry=carry, offpolicy_tokens=offpolicy)
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
@@ -235,35 +294,43 @@ class RLRun:
         pred = predict_lengths(hist, self.cfg.rollout.length_stat)
         return [float(p) if h else None for p, h in zip(pred, hist)]
 
-    def _score(self, rows: list[PromptRow], outs: list) -> tuple[list[list[float]], int, dict[str, list[float]]]:
-        errors = 0
-        extras: dict[str, list[float]] = {}
-        scores = []
-        for row, o in zip(rows, outs):
-            if o.error:
-                raise ValueError(f"prompt {row.key}: {o.error}")
-            g = []
-            for c in o.outputs:
-                res = self.rewards.score(row.data_source, c.text, row.ground_truth, row.extra_info,
-                                         where=f"prompt {row.key} sample {c.index}")
-                if res.error:
-                    errors += 1
-                    log.warning(res.error)
-                for k, v in res.extra.items():
-                    extras.setdefault(k, []).append(v)
-                g.append(res.score)
-            scores.append(g)
-        return scores, errors, extras
+    def _score(self, row: PromptRow, out: RequestOutput) -> GroupScore:
+        """Score one prompt's responses in the reward pool (each call bounded by reward.timeout_s)."""
+        if out.error:
+            raise ValueError(f"prompt {row.key}: {out.error}")
+        calls = [RewardCall(row.data_source, c.text, row.ground_truth, row.extra_info,
+                            where=f"prompt {row.key} sample {c.index}") for c in out.outputs]
+        g = GroupScore([], 0, 0, {}, None)
+        for res in self.rewards.score_many(calls):
+            if res.error:
+                g.first_error = g.first_error or res.error
+                if res.timed_out:
+                    g.timeouts += 1
+                else:
+                    g.errors += 1
+                log.warning(res.error)
+            for k, v in res.extra.items():
+                g.extras.setdefault(k, []).append(v)
+            g.scores.append(res.score)
+        return g
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.cfg.algorithm
         t_step = time.perf_counter()
         st = self.rollout.stats
-        s0 = (st.forwards, sum(st.batch_sizes), st.accepted, st.drafted, st.draft_s, st.generated)
+        s0 = (st.forwards, st.decode_rows, st.accepted, st.drafted, st.draft_s, st.generated)
         p0 = vars(self.rollout.pipe).copy()
         first = self._rollout(self.loader.next_batch(), step, self.carried)
         carry, offpolicy = list(first.carry), first.offpolicy_tokens
         rows, outs, scores, errors, extras = first.rows, first.outs, first.scores, first.errors, first.extras
+        timeouts = first.timeouts
+        scored_n = sum(len(g) for g in scores)
+        if scored_n and errors + timeouts == scored_n:
+            # Broken, not unlucky: an import error or a typo fails every row, and training on
+            # all-zero rewards would look like a run that learns nothing.
+            raise RewardFunctionError(
+                f"step {step}: the reward function {self.rewards_name(rows[0].data_source)} failed on every one of "
+                f"the step's {scored_n} responses ({errors} raised, {timeouts} timed out); first: {first.first_error}")
         # rewards ran while other prompts were still generating: rollout time excludes them
         gen_s, reward_s = first.gen_s, first.reward_s
         kept_rows, kept_outs, kept_scores = rows, outs, scores
@@ -282,6 +349,7 @@ class RLRun:
                 gen_s += more.gen_s
                 reward_s += more.reward_s
                 errors += more.errors
+                timeouts += more.timeouts
                 for r_, o_, s_ in zip(more.rows, more.outs, more.scores):
                     if max(s_) != min(s_):
                         kept_rows.append(r_)
@@ -334,7 +402,7 @@ class RLRun:
         # A step whose every group paused at the token budget trains on nothing (partial rollouts).
         all_scores = [s for g in scores for s in g] or [0.0]
         all_lens = [len(c.token_ids) for o in outs for c in o.outputs] or [0]
-        rows_f = sum(st.batch_sizes) - s0[1]
+        rows_f = st.decode_rows - s0[1]
         acc = st.accepted - s0[2]
         drafted = st.drafted - s0[3]
         gen_tokens = st.generated - s0[5]
@@ -349,6 +417,7 @@ class RLRun:
             "response_length/clip_ratio": float(np.mean([c.finish_reason == "length" for o in outs
                                                          for c in o.outputs] or [0.0])),
             "reward/errors": errors,
+            "reward/timeouts": timeouts,
             "data/filtered_groups": filtered,
             "rollout/carried_groups": len(self.carried),
             "rollout/offpolicy_tokens": offpolicy,
@@ -403,15 +472,22 @@ class RLRun:
             self.close()
 
     def close(self) -> None:
-        """Stop the rollout workers (idempotent)."""
+        """Stop the rollout workers and the reward processes (idempotent)."""
         self.rollout.pool.close()
+        self.rewards.close()
+
+    def rewards_name(self, data_source: str) -> str:
+        """The reward function's name for ``data_source`` (for errors)."""
+        if self.reward_spec.reward_file and data_source in self.reward_spec.sources:
+            return f"{self.reward_spec.fn_name!r} from {self.reward_spec.reward_file}"
+        return f"for data_source {data_source!r}"
 
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.initial_accuracy is None and self.val_rows:
             self.initial_accuracy = self.evaluate()
-            self.metrics.log(0, self.initial_accuracy)
+            self.metrics.log(0, {**self.initial_accuracy, **self.dropped_rows})
         last_val = float("nan")
         bar = tqdm(range(self.step + 1, cfg.trainer.steps + 1), desc="rl", disable=not self.progress,
                    initial=self.step, total=cfg.trainer.steps)
@@ -437,7 +513,8 @@ class RLRun:
         plots = plot_run(self.run_dir)
         summary = summarize(self.run_dir, self.initial_accuracy, time.perf_counter() - t0)
         summary["plots"] = [str(p) for p in plots]
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
 
@@ -486,13 +563,21 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
         print(f"plots: {p}")
 
 
+def load_run_config(run_dir: Path) -> RunConfig:
+    """A run folder's own config: missing or empty is an error, never the defaults."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        raise ConfigError(f"{path}: missing (not a run folder, or its config was deleted); cannot resume")
+    if not path.read_text().strip():
+        raise ConfigError(f"{path}: empty; a run's config is never empty, refusing to resume on the defaults")
+    return load_config(path)
+
+
 def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_path: str | None = None,
           progress: bool = True) -> int:
     if resume:
         run_dir = Path(resume)
-        if not (run_dir / "config.yaml").exists():
-            raise FileNotFoundError(f"{run_dir}: no config.yaml (not a run folder)")
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_run_config(run_dir)
     else:
         cfg = cfg or load_config()
         run_dir = run_dir_for(cfg)

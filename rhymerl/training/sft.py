@@ -20,6 +20,7 @@ from rhymerl.config import RunConfig
 from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_device
 from rhymerl.engine import LLM
+from rhymerl.atomic_io import atomic_write_text
 from rhymerl.model import CausalLM, ModelConfig, save_pretrained
 from rhymerl.rewards import RewardRegistry
 from rhymerl.tasks import get_task
@@ -147,5 +148,5 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
         "response_length": ev.length_stats(),
         "format_ok": ev.format_ok,
     }
-    (out / CARD).write_text(json.dumps(card, indent=2) + "\n")
+    atomic_write_text(out / CARD, json.dumps(card, indent=2) + "\n")  # last: the card marks a finished base
     return card

@@ -50,11 +50,13 @@ def lr_lambda(trainer: TrainerSection, total_steps: int):
 class PolicyTrainer:
     def __init__(self, model: CausalLM, trainer: TrainerSection, algo: AlgorithmSection, device: torch.device,
                  ref_model: CausalLM | None = None, total_optimizer_steps: int = 1,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1) -> None:
         self.model, self.cfg, self.algo, self.device, self.ref = model, trainer, algo, device, ref_model
-        # Log-probs are those of the distribution the rollout sampled from (logits / T), as in
-        # verl; otherwise the gradient is taken for a different policy than the one sampled.
+        # Log-probs are those of the distribution the rollout sampled from (logits / T, then
+        # top-k and top-p, renormalised): the engine's own function computes them, so the
+        # gradient is taken for the policy that was sampled (verl uses logits / T alone).
         self.temperature = temperature if temperature > 0 else 1.0
+        self.top_p, self.top_k = top_p, top_k
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -62,8 +64,21 @@ class PolicyTrainer:
         self.bad_steps = 0
 
     def _token_logp(self, model: CausalLM, ids: torch.Tensor, with_entropy: bool = False):
-        logits = model(ids)[:, :-1].float() / self.temperature
-        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        raw = model(ids)[:, :-1].float()
+        logits = raw / self.temperature
+        if self.top_p < 1.0 or self.top_k > 0:
+            from rhymerl.engine.sampler import sampling_logprobs
+
+            B, T, V = raw.shape
+            rows = B * T
+            full = sampling_logprobs(raw.reshape(rows, V), torch.full((rows,), self.temperature, device=raw.device),
+                                     torch.full((rows,), self.top_p, device=raw.device),
+                                     torch.full((rows,), self.top_k, device=raw.device, dtype=torch.long))
+            # Tokens outside top-k/top-p have log-prob -inf; only padding positions hold them
+            # (the rollout never samples one), and the floor keeps 0 x -inf out of the loss.
+            logp = full.reshape(B, T, V).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).clamp(min=-1e4)
+        else:
+            logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
 
     @property
