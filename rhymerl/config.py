@@ -6,6 +6,7 @@ front; an unknown key or a value of the wrong type is an error naming the key pa
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -276,6 +277,9 @@ def _validate(cfg: RunConfig) -> None:
     from rhymerl.tasks import TASKS
 
     flat = _flatten(cfg.to_dict())
+    for key, value in flat.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
     for key, choices in _CHOICES.items():
         if choices is not None and flat[key] not in choices:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {choices}")
@@ -327,6 +331,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: invalid YAML ({e})") from e
         except FileNotFoundError as e:
             raise ConfigError(f"{path}: config file not found") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e})") from e
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
         data = loaded or {}
@@ -334,7 +340,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in ov:
             raise ConfigError(f"{ov}: override must look like key.path=value")
         key, raw = ov.split("=", 1)
-        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        if not key.strip():
+            raise ConfigError(f"{ov!r}: override has no key (expected key.path=value)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key.strip()}: invalid value {raw!r} ({str(e).splitlines()[0]})") from e
+        _set_dotted(data, key.strip(), value)
     cfg = _build(RunConfig, data, "")
     _validate(cfg)
     return cfg

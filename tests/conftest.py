@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pathlib import Path
+
+from rhymerl.config import load_config
 from rhymerl.model import CausalLM, ModelConfig
+from rhymerl.training.metrics import read_metrics
 
 torch.set_num_threads(2)
 
@@ -36,3 +40,32 @@ def naive_greedy(model: CausalLM, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+# --- tiny RL runs (shared by the RL, hardening and fault tests) ---------------------------
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=2",
+        "model.num_key_value_heads=1", "sft.steps=60", "sft.batch_size=16", "sft.num_examples=500",
+        "sft.eval_prompts=8", "data.num_val=8", "data.num_train=6", "trainer.batch_prompts=4", "rollout.n=2",
+        "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
+        "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+        "rollout.speculative.max_draft=4",
+        "algorithm.kl_coef=0.05", "trainer.ppo_mini_batches=1",  # a reference model to checkpoint and resume
+        "algorithm.dynamic_sampling=false"]  # 2 samples per group: the default filter would drop most groups
+SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/")
+
+
+@pytest.fixture(scope="session")
+def base_model(tmp_path_factory) -> str:
+    from rhymerl.training.sft import run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    run_sft(load_config(None, TINY), out, progress=False)
+    return str(out)
+
+
+def rl_overrides(base: str, run_dir: Path) -> list[str]:
+    return TINY + [f"model.path={base}", f"trainer.output_dir={run_dir}"]
+
+
+def learning_metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(SPEED_KEYS)} for r in read_metrics(run_dir / "metrics.jsonl")]

@@ -243,36 +243,54 @@ def test_paused_samples_continue_to_the_tokens_of_an_uninterrupted_run(model_dir
     assert _tokens(final) == ref
 
 
-def _signal_once(index: int, sig: int, sent: list[int]):
-    """A coordinator hook that sends ``sig`` to worker ``index`` once it is mid-work."""
+def _pids(pool, backend: str) -> list[int]:
+    if backend == "local":
+        return [h.proc.pid for h in pool.handles]
+    import ray
+
+    return ray.get([h.actor.ping.remote() for h in pool.handles])
+
+
+def _signal_once(pid: int, sig: int, sent: list[int], index: int = 1):
+    """A coordinator hook that sends ``sig`` to worker ``index`` (process ``pid``) once it is mid-work."""
 
     def hook(h, rep):
         if h.index == index and not sent and (rep.running or rep.waiting):
-            os.kill(h.proc.pid, sig)
+            os.kill(pid, sig)
             sent.append(sig)
 
     return hook
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "ray"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_lost_workers_are_replaced_without_changing_tokens(model_dir, sig):
+def test_lost_workers_are_replaced_without_changing_tokens(model_dir, sig, backend):
     """A killed worker, or one that stops answering (past worker_timeout_s): its unfinished
     samples re-run on the other worker with the same seeds, so the step's tokens are unchanged."""
     from rhymerl.model import load_pretrained
 
+    if backend == "ray":
+        pytest.importorskip("ray")
     reqs = _requests(n_prompts=8, max_tokens=48)
     ref = _reference(model_dir, reqs)
     named = dict(load_pretrained(model_dir).named_parameters())
-    pool = make_pool("local", _specs(model_dir, 2, {"method": "history"}), named)
+    pool = make_pool(backend, _specs(model_dir, 2, {"method": "history"}), named)
+    pids = _pids(pool, backend)
     try:
         co = RolloutCoordinator(pool, policy="even", history=HistoryStore(), max_num_seqs=16, slice_s=0.01,
                                 worker_timeout_s=3.0)
         sent: list[int] = []
-        co.on_report = _signal_once(1, sig, sent)
+        co.on_report = _signal_once(pids[1], sig, sent)
         assert _tokens(co.rollout(reqs, 1)) == ref
         assert sent and co.pipe.lost_workers == 1 and co.pipe.rerun_samples > 0
         assert [h.index for h in pool.alive()] == [0]
         assert _tokens(co.rollout(reqs, 1)) == ref  # the next step runs on the survivor
     finally:
         pool.close()
+        for pid in pids:  # a stopped process the pool could not reap
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,38 +15,13 @@ from rhymerl.config import load_config
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attention_heads=2",
-        "model.num_key_value_heads=1", "sft.steps=60", "sft.batch_size=16", "sft.num_examples=500",
-        "sft.eval_prompts=8", "data.num_val=8", "data.num_train=6", "trainer.batch_prompts=4", "rollout.n=2",
-        "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
-        "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "rollout.speculative.max_draft=4",
-        "algorithm.kl_coef=0.05", "trainer.ppo_mini_batches=1",  # a reference model to checkpoint and resume
-        "algorithm.dynamic_sampling=false"]  # 2 samples per group: the default filter would drop most groups
-SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/")
-
-
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> str:
-    from rhymerl.training.sft import run_sft
-
-    out = tmp_path_factory.mktemp("sft")
-    run_sft(load_config(None, TINY), out, progress=False)
-    return str(out)
-
-
-def _overrides(base: str, run_dir: Path) -> list[str]:
-    return TINY + [f"model.path={base}", f"trainer.output_dir={run_dir}"]
-
-
-def _learning_metrics(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(SPEED_KEYS)} for r in read_metrics(run_dir / "metrics.jsonl")]
+from tests.conftest import TINY, learning_metrics, rl_overrides
 
 
 def test_train_runs_and_writes_run_folder(base_model, tmp_path):
     from rhymerl.training.rl import train
 
-    train(load_config(None, _overrides(base_model, tmp_path / "run")), progress=False)
+    train(load_config(None, rl_overrides(base_model, tmp_path / "run")), progress=False)
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
@@ -70,11 +44,11 @@ def test_train_runs_and_writes_run_folder(base_model, tmp_path):
 def test_speculation_does_not_change_learning(base_model, tmp_path):
     from rhymerl.training.rl import train
 
-    train(load_config(None, _overrides(base_model, tmp_path / "a") + ["rollout.speculative.method=none"]),
+    train(load_config(None, rl_overrides(base_model, tmp_path / "a") + ["rollout.speculative.method=none"]),
           progress=False)
-    train(load_config(None, _overrides(base_model, tmp_path / "b") + ["rollout.speculative.gate=false"]),
+    train(load_config(None, rl_overrides(base_model, tmp_path / "b") + ["rollout.speculative.gate=false"]),
           progress=False)
-    assert _learning_metrics(tmp_path / "a") == _learning_metrics(tmp_path / "b")
+    assert learning_metrics(tmp_path / "a") == learning_metrics(tmp_path / "b")
 
 
 def test_kl_in_reward_replaces_the_kl_loss(base_model, tmp_path):
@@ -86,8 +60,8 @@ def test_kl_in_reward_replaces_the_kl_loss(base_model, tmp_path):
                       "    return float(len(solution_str) % 2)\n")
     ov = ["trainer.steps=2", "trainer.eval_every=100", "algorithm.kl_coef=0.5", "trainer.lr=5e-3",
           f"data.reward_file={reward}"]
-    train(load_config(None, _overrides(base_model, tmp_path / "loss") + ov), progress=False)
-    train(load_config(None, _overrides(base_model, tmp_path / "reward") + ov + ["algorithm.use_kl_in_reward=true"]),
+    train(load_config(None, rl_overrides(base_model, tmp_path / "loss") + ov), progress=False)
+    train(load_config(None, rl_overrides(base_model, tmp_path / "reward") + ov + ["algorithm.use_kl_in_reward=true"]),
           progress=False)
     loss = [r for r in read_metrics(tmp_path / "loss" / "metrics.jsonl") if "timing_s/step" in r]
     rew = [r for r in read_metrics(tmp_path / "reward" / "metrics.jsonl") if "timing_s/step" in r]
@@ -112,9 +86,9 @@ def test_dynamic_sampling_filter_drops_groups_without_advantage(base_model, tmp_
                       "    return float(len(solution_str) % 2)\n")
     ov = ["trainer.steps=2", "trainer.eval_every=100", "algorithm.dynamic_sampling=true",
           "algorithm.max_resample_batches=0"]
-    train(load_config(None, _overrides(base_model, tmp_path / "flat") + ov + [f"data.reward_file={per_prompt}"]),
+    train(load_config(None, rl_overrides(base_model, tmp_path / "flat") + ov + [f"data.reward_file={per_prompt}"]),
           progress=False)
-    train(load_config(None, _overrides(base_model, tmp_path / "mixed") + ov + [f"data.reward_file={parity}"]),
+    train(load_config(None, rl_overrides(base_model, tmp_path / "mixed") + ov + [f"data.reward_file={parity}"]),
           progress=False)
     flat = [r for r in read_metrics(tmp_path / "flat" / "metrics.jsonl") if "timing_s/step" in r]
     mixed = [r for r in read_metrics(tmp_path / "mixed" / "metrics.jsonl") if "timing_s/step" in r]
@@ -134,11 +108,11 @@ def test_two_workers_learn_exactly_what_one_does(base_model, tmp_path, backend):
     if backend == "ray":
         pytest.importorskip("ray")
     one = tmp_path / "one"
-    train(load_config(None, _overrides(base_model, one) + ["trainer.steps=3"]), progress=False)
+    train(load_config(None, rl_overrides(base_model, one) + ["trainer.steps=3"]), progress=False)
     two = tmp_path / "two"
-    train(load_config(None, _overrides(base_model, two) + ["trainer.steps=3", "rollout.workers=2",
+    train(load_config(None, rl_overrides(base_model, two) + ["trainer.steps=3", "rollout.workers=2",
                                                           f"rollout.backend={backend}"]), progress=False)
-    assert _learning_metrics(two) == _learning_metrics(one)
+    assert learning_metrics(two) == learning_metrics(one)
     rows = read_metrics(two / "metrics.jsonl")
     assert rows[1]["pipe/workers"] == 2
     if backend == "ray":
@@ -152,9 +126,9 @@ def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     from rhymerl.training.rl import train
 
     six = ["trainer.steps=6"]  # long enough that the kill lands mid-run, after step 2's checkpoint
-    train(load_config(None, _overrides(base_model, tmp_path / "ref") + six), progress=False)
+    train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + six), progress=False)
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "rhymerl.cli", "train", *_overrides(base_model, run), *six]
+    args = [sys.executable, "-m", "rhymerl.cli", "train", *rl_overrides(base_model, run), *six]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 240
@@ -169,7 +143,7 @@ def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     assert latest_checkpoint(run).name < "step_000006"
     subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run)], check=True,
                    stdout=subprocess.DEVNULL, env=env)
-    assert _learning_metrics(run) == _learning_metrics(tmp_path / "ref")
+    assert learning_metrics(run) == learning_metrics(tmp_path / "ref")
 
 
 def test_partial_rollouts_carry_groups_and_resume_exactly(base_model, tmp_path):
@@ -178,18 +152,18 @@ def test_partial_rollouts_carry_groups_and_resume_exactly(base_model, tmp_path):
     from rhymerl.training.rl import train
 
     carry = ["rollout.carry_over_tokens=6", "trainer.steps=4"]
-    train(load_config(None, _overrides(base_model, tmp_path / "ref") + carry), progress=False)
-    ref = _learning_metrics(tmp_path / "ref")
+    train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + carry), progress=False)
+    ref = learning_metrics(tmp_path / "ref")
     steps = [r for r in ref if "rollout/carried_groups" in r]
     assert any(r["rollout/carried_groups"] > 0 for r in steps)
     assert any(r["rollout/offpolicy_tokens"] > 0 for r in steps)
     assert max(r["response_length/max"] for r in steps) > 6  # groups finished after a pause
-    part = _overrides(base_model, tmp_path / "resumed") + carry
+    part = rl_overrides(base_model, tmp_path / "resumed") + carry
     train(load_config(None, [*part, "trainer.steps=2"]), progress=False)
     state = json.loads((latest_checkpoint(tmp_path / "resumed") / "state.json").read_text())
     assert len(state["carried"]) == steps[1]["rollout/carried_groups"]
     train(load_config(None, part), progress=False)  # continues the run folder from step 2
-    assert _learning_metrics(tmp_path / "resumed") == ref
+    assert learning_metrics(tmp_path / "resumed") == ref
 
 
 def test_half_written_checkpoint_is_never_picked(tmp_path):
@@ -203,7 +177,7 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
 def test_checkpoint_of_another_model_is_refused(base_model, tmp_path):
     from rhymerl.training.rl import train
 
-    train(load_config(None, _overrides(base_model, tmp_path / "run") + ["trainer.steps=1"]), progress=False)
+    train(load_config(None, rl_overrides(base_model, tmp_path / "run") + ["trainer.steps=1"]), progress=False)
     cfg_path = tmp_path / "run" / "config.yaml"
     ck = latest_checkpoint(tmp_path / "run")
     c = json.loads((ck / "policy" / "config.json").read_text())

@@ -66,6 +66,8 @@ def parse_row(raw: Any, *, source: str, row: int) -> PromptRow:
     if prompt is None:
         raise DatasetError(f"{where}: missing field 'prompt'")
     if isinstance(prompt, list):
+        if not prompt:
+            raise DatasetError(f"{where}: field 'prompt' is an empty list of chat messages")
         for j, m in enumerate(prompt):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise DatasetError(f"{where}: field 'prompt[{j}]' must be {{'role': str, 'content': str}}")

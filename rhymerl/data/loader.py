@@ -66,4 +66,14 @@ class PromptLoader:
         return {"epoch": self.state.epoch, "index": self.state.index, "deferred": list(self.state.deferred)}
 
     def load_state_dict(self, d: dict) -> None:
-        self.state = LoaderState(int(d["epoch"]), int(d["index"]), [int(i) for i in d.get("deferred", [])])
+        """Restore a position; one that does not fit this dataset raises ValueError."""
+        epoch, index, deferred = d["epoch"], d["index"], d.get("deferred", [])
+        n = len(self.rows)
+        if not (_int(epoch) and epoch >= 0 and _int(index) and 0 <= index <= n and isinstance(deferred, list)
+                and all(_int(i) and 0 <= i < n for i in deferred)):
+            raise ValueError(f"loader state {d!r:.120} does not fit a dataset of {n} rows")
+        self.state = LoaderState(epoch, index, list(deferred))
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -100,6 +100,8 @@ def load_checkpoint_into(ckpt: Path, model: CausalLM, optimizer: torch.optim.Opt
         if not isinstance(st, dict) or not isinstance(st.get("step"), int) or isinstance(st["step"], bool) \
                 or not isinstance(st.get("loader"), dict):
             raise ValueError("expected an object with an integer 'step' and a 'loader' object")
+        if ckpt.name != checkpoint_dir(ckpt.parent.parent, st["step"]).name:
+            raise ValueError(f"step {st['step']} does not match the folder's name")
         return st
 
     weights = read("policy", policy)

@@ -39,8 +39,21 @@ class CarriedGroup:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CarriedGroup:
-        return cls(d["key"], int(d["seed"]), int(d["since_step"]), [CompletionOutput(**c) for c in d["finished"]],
-                   {int(s): (list(t), list(lp)) for s, t, lp in d["paused"]})
+        """Inverse of :meth:`to_dict`; a malformed dict (a damaged checkpoint) raises ValueError."""
+        if not isinstance(d, dict) or not isinstance(d.get("key"), str):
+            raise ValueError(f"carried group {d!r:.80}: not an object with a string 'key'")
+        finished = [CompletionOutput(**c) for c in d["finished"]]
+        paused = {int(s): (list(t), list(lp)) for s, t, lp in d["paused"]}
+        for c in finished:
+            if not (isinstance(c.index, int) and _ints(c.token_ids) and isinstance(c.text, str)):
+                raise ValueError(f"carried group {d['key']!r}: malformed finished sample")
+        if not all(_ints(t) and all(isinstance(x, (int, float)) for x in lp) for t, lp in paused.values()):
+            raise ValueError(f"carried group {d['key']!r}: malformed paused sample")
+        return cls(d["key"], int(d["seed"]), int(d["since_step"]), finished, paused)
+
+
+def _ints(xs: Any) -> bool:
+    return isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
 
 
 def step_budget(max_tokens: int, carry_over_tokens: int, prefix_len: int = 0) -> int:
