@@ -113,6 +113,16 @@ class RolloutSection:
     # partial rollouts); its group trains when all its samples are done. Deterministic: where a
     # sample pauses depends on its length only, never on timing. Logged as rollout/offpolicy_*.
     carry_over_tokens: int = 0
+    # Shape-invariant numerics in the rollout engines (rhymerl.model.invariant): a position's
+    # logits are the same bits at any batch size, slot and worker, in prefill, decode and path
+    # or tree verification, so speculation on or off, 1 or N workers and kill-and-resume give
+    # the same tokens exactly (on one CPU model, torch build and thread count). Off by default:
+    # it costs more than 15 % of engine throughput at batch 16 and 64 here (README, bench
+    # engine); off, the same holds up to floating-point ties.
+    invariant: bool = False
+    # torch threads of each rollout engine (0: this process's for one local worker, else cores
+    # / workers). Float results depend on it: it is part of what exactness holds for.
+    threads: int = 0
 
 
 @dataclass
@@ -299,6 +309,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"data.min_response_tokens: must be >= 1, got {cfg.data.min_response_tokens}")
     if cfg.trainer.micro_batch_tokens < 0:
         raise ConfigError(f"trainer.micro_batch_tokens: must be >= 0 (0: off), got {cfg.trainer.micro_batch_tokens}")
+    if cfg.rollout.threads < 0:
+        raise ConfigError(f"rollout.threads: must be >= 0 (0: automatic), got {cfg.rollout.threads}")
     if cfg.rollout.carry_over_tokens < 0:
         raise ConfigError(f"rollout.carry_over_tokens: must be >= 0 (0: off), got {cfg.rollout.carry_over_tokens}")
     if cfg.rollout.temperature < 0:

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/fault_inject.py [--kills 20] [--fuzz 1000] [--seed 0] [--json F]
 
-1. Kill -9 at random moments: a tiny RL run (6 steps, a checkpoint every step, HistoSpec on)
+1. Kill -9 at random moments: a tiny RL run (24 steps, a checkpoint every step, HistoSpec on)
    is started, killed with SIGKILL at a moment drawn uniformly over the uninterrupted run's
    whole wall time (start-up, rollout, update, checkpoint and history writes alike), then
    resumed with ``rhymerl train --resume`` (or, when the kill came before the run folder had
@@ -40,7 +40,9 @@ from rhymerl.training.checkpoint import latest_checkpoint  # noqa: E402
 from rhymerl.training.sft import run_sft  # noqa: E402
 from tests.conftest import TINY, learning_metrics, rl_overrides  # noqa: E402
 
-STEPS = ["trainer.steps=6", "trainer.eval_every=3"]
+# Long enough that training, not the process start-up, takes most of the wall time.
+STEPS = ["trainer.steps=24", "trainer.eval_every=8", "data.num_train=12"]
+LAST_STEP = 24
 
 
 def _cli(*args: str) -> list[str]:
@@ -64,7 +66,18 @@ def _where(run: Path) -> str:
         if metrics.exists() else []
     if not steps:
         return "start-up or initial evaluation"
-    return f"step {max(steps) + 1} (rollout / update / sync)"
+    if max(steps) >= LAST_STEP:
+        return "the end (plots, summary)"
+    return f"step {max(steps) + 1} (rollout / update / sync / eval)"
+
+
+def _phase(where: str) -> str:
+    """The kind of moment, for the table (the step number and folder name left out)."""
+    for prefix, phase in (("step ", "a training step (rollout / update / sync / eval)"),
+                          ("checkpoint write", "a checkpoint write"), ("history write", "a history write")):
+        if where.startswith(prefix):
+            return phase
+    return where
 
 
 def kill_trials(base: str, work: Path, kills: int, seed: int, env: dict[str, str]) -> list[dict]:
@@ -107,7 +120,9 @@ def run_pytest(selection: list[str], env: dict[str, str]) -> dict:
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], cwd=ROOT,
                        env=env, capture_output=True, text=True)
-    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
+    # pytest's closing line (Ray's log lines may come after it)
+    closing = [ln for ln in r.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    tail = closing[-1].strip("= ") if closing else (r.stdout + r.stderr)[-300:]
     passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", tail)) else 0
     failed = int(m.group(1)) if (m := re.search(r"(\d+) failed", tail)) else 0
     return {"selection": " ".join(selection), "passed": passed, "failed": failed, "rc": r.returncode,
@@ -150,8 +165,7 @@ def main() -> int:
     if kills:
         by_where: dict[str, list[dict]] = {}
         for k in kills:
-            by_where.setdefault(re.sub(r" \(.*\)|\d+", "N", k["where"]) if "step" in k["where"] else k["where"],
-                                []).append(k)
+            by_where.setdefault(_phase(k["where"]), []).append(k)
         for where, ks in sorted(by_where.items()):
             ok = sum(k["equal"] for k in ks)
             print(f"| SIGKILL during {where}, then resume | {len(ks)} | {ok} of {len(ks)} identical | "

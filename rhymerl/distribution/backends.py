@@ -7,12 +7,13 @@ never through files.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -71,18 +72,36 @@ class WorkerPool:
 
 
 # --- in this process --------------------------------------------------------------------------
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` (0: unchanged) for the block."""
+    before = torch.get_num_threads()
+    if n > 0 and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+
 class InprocHandle(WorkerHandle):
     """The worker runs in the caller's thread; a call completes when started."""
 
     def __init__(self, index: int, spec: WorkerSpec) -> None:
-        self.index, self.worker = index, RolloutWorker(spec)
+        # The worker's thread count applies while it runs, the caller's (training) otherwise.
+        self.threads = spec.threads
+        with _threads(self.threads):
+            self.index, self.worker = index, RolloutWorker(WorkerSpec(**{**vars(spec), "threads": 0}))
         self._result: Any = None
         self._error: BaseException | None = None
 
     def start(self, method: str, *args: Any) -> None:
         self.started_at = time.monotonic()
         try:
-            self._result, self._error = getattr(self.worker, method)(*args), None
+            with _threads(self.threads):
+                self._result, self._error = getattr(self.worker, method)(*args), None
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._result, self._error = None, e
 

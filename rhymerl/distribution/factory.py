@@ -30,10 +30,10 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     else:
         devices = ["cpu" if device == "auto" else device] * R
     in_process = R == 1 and r.backend == "local"
-    threads = 0 if in_process else max(1, (os.cpu_count() or 1) // R)
+    threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // R))
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                        device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,
-                       seed=cfg.seed + i) for i in range(R)]
+                       seed=cfg.seed + i, invariant=r.invariant) for i in range(R)]
 
 
 def profile_cost(model_path: str | Path, cfg: RunConfig, threads: int) -> StepCost:

@@ -24,6 +24,7 @@ class WorkerSpec:
     speculative: dict[str, Any] | None = None  # build_proposer spec; history arrives with the work
     threads: int = 1  # torch intra-op threads of this worker (0: leave as they are)
     seed: int = 0
+    invariant: bool = False  # shape-invariant numerics (rhymerl.model.invariant)
 
 
 @dataclass

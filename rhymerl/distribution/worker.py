@@ -24,7 +24,8 @@ class RolloutWorker:
             sp["record"] = False  # the controller owns the history; this worker only drafts from it
             proposer = build_proposer(sp, HistoryStore(max_rollouts=sp.get("history_epochs", 1)))
         self.llm = LLM(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
-                       device=spec.device, dtype=spec.dtype, speculative=proposer, seed=spec.seed)
+                       device=spec.device, dtype=spec.dtype, speculative=proposer, seed=spec.seed,
+                       invariant=spec.invariant)
         self.engine = self.llm.engine
         self.store = getattr(proposer, "store", None)
         self._rid_item: dict[int, int] = {}

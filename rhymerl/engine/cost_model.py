@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import Callable
 
 import torch
 
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.model import CacheView, CausalLM
+from rhymerl.model import CacheView
 
 
 class CostModel:
@@ -60,9 +61,10 @@ class CostModel:
 
 
 @torch.inference_mode()
-def calibrate(model: CausalLM, cache: KVCache, device: torch.device, max_batch: int, max_width: int,
-              context: int = 96, budget_tokens: int = 8192) -> CostModel:
-    """Time forwards over a grid of batch sizes and widths, reusing the engine's KV memory."""
+def calibrate(model: Callable[..., torch.Tensor], cache: KVCache, device: torch.device, max_batch: int,
+              max_width: int, context: int = 96, budget_tokens: int = 8192) -> CostModel:
+    """Time forwards (``model(ids, positions, view)``: a :class:`CausalLM` or the engine's
+    forward) over a grid of batch sizes and widths, reusing the engine's KV memory."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= min(max_batch, cache.num_slots)]
     widths = [t for t in (1, 2, 3, 5, 9, 17, 33) if t <= max_width]
     context = min(context, cache.capacity - max(widths))

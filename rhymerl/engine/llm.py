@@ -30,12 +30,15 @@ class LLM:
         speculative: ``None`` or a dict such as ``{"method": "history", "max_draft": 16}``
             (see :func:`rhymerl.drafting.build_proposer`), or a ready :class:`Proposer`.
         seed: seeds the draws of requests whose ``SamplingParams.seed`` is None.
+        invariant: shape-invariant numerics (:mod:`rhymerl.model.invariant`): a position's
+            logits are bitwise the same at any batch size and slot, in prefill, decode and
+            verification, so speculation never changes a token, not even at a float tie.
     """
 
     def __init__(self, model: str | Path | CausalLM, *, tokenizer: Any = None, max_num_seqs: int = 64,
                  max_model_len: int = 512, kv_cache_tokens: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "float32", speculative: Mapping[str, Any] | Proposer | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, invariant: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         if isinstance(model, (str, Path)):
@@ -50,6 +53,10 @@ class LLM:
         self.tokenizer = tokenizer
         proposer = self._build_proposer(speculative)
         capacity = max_model_len + ((proposer.max_nodes + 1) if proposer is not None else 1)
+        if invariant:  # keys are read in whole chunks
+            from rhymerl.model.invariant import KEY_CHUNK
+
+            capacity = -(-capacity // KEY_CHUNK) * KEY_CHUNK
         num_slots = max_num_seqs if kv_cache_tokens is None else min(max_num_seqs, kv_cache_tokens // capacity)
         if num_slots < 1:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of "
@@ -65,7 +72,7 @@ class LLM:
         detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         self.engine = LLMEngine(self.model, num_slots=num_slots, max_model_len=max_model_len,
                                 device=self.device, dtype=self.dtype, eos_token_ids=eos,
-                                proposer=proposer, detokenize=detok)
+                                proposer=proposer, detokenize=detok, invariant=invariant, capacity=capacity)
         self._rng = random.Random(seed)
         self._calls = 0
 

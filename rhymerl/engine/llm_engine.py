@@ -41,18 +41,20 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: CausalLM, *, num_slots: int, max_model_len: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: list[int], proposer: Proposer | None = None,
-                 detokenize=None) -> None:
+                 detokenize=None, invariant: bool = False, capacity: int | None = None) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.max_model_len = max_model_len
         self.proposer = proposer
         headroom = (proposer.max_nodes + 1) if proposer is not None else 1
-        self.cache = KVCache(model.config, num_slots, max_model_len + headroom, device, dtype)
-        self.runner = ModelRunner(model, self.cache, device)
+        self.cache = KVCache(model.config, num_slots, capacity or max_model_len + headroom, device, dtype)
+        self.runner = ModelRunner(model, self.cache, device, invariant=invariant)
         if proposer is not None and getattr(proposer, "wants_cost_model", False):
             from rhymerl.engine.cost_model import calibrate
 
-            # Measured once, on this model and device, before any request holds a slot.
-            proposer.attach_cost_model(calibrate(model, self.cache, device, num_slots, proposer.max_nodes + 1))
+            # Measured once, on this model and device, before any request holds a slot, with the
+            # forward the engine runs.
+            proposer.attach_cost_model(calibrate(self.runner.forward, self.cache, device, num_slots,
+                                                 proposer.max_nodes + 1))
         self.scheduler = Scheduler(self.cache)
         self.eos_token_ids = list(eos_token_ids)
         self.detokenize = detokenize

@@ -17,7 +17,8 @@ from rhymerl.engine.draft import DraftTree
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampler import SamplingBatch, sample
 from rhymerl.engine.sequence import Sequence
-from rhymerl.model import CausalLM
+from rhymerl.model import CacheView, CausalLM
+from rhymerl.model.invariant import invariant_forward
 
 
 @dataclass
@@ -42,13 +43,43 @@ def _sampling_batch(seqs: list[Sequence], positions: torch.Tensor, device: torch
                          position=positions.reshape(-1).to(device))
 
 
+def _logical_keys(lens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, max_depth: int,
+                  kv_len: int) -> torch.Tensor:
+    """``[B, T, n]``: for tree node ``t`` of row ``b``, the cache position of its logical key
+    ``j`` (``n`` = ``kv_len`` rounded up to whole key chunks): ``j`` itself below the row's
+    cached length ``L``, then the node's ancestor at depth ``j - L`` (stored at ``L`` + its node
+    index), and ``j`` again past the node (masked there)."""
+    from rhymerl.model.invariant import KEY_CHUNK
+
+    B, T, _ = anc.shape
+    dev = lens.device
+    n = -(-kv_len // KEY_CHUNK) * KEY_CHUNK
+    node = torch.arange(T, device=dev).view(1, 1, T).expand(B, T, T)
+    dep_of = depth.unsqueeze(1).expand(B, T, T)  # depth of node s, for every t
+    at_depth = torch.zeros(B, T, max_depth + 2, dtype=torch.long, device=dev)
+    at_depth.scatter_(2, torch.where(anc, dep_of, torch.full_like(dep_of, max_depth + 1)), node)
+    j = torch.arange(n, device=dev).view(1, 1, n)
+    rel = j - lens.view(B, 1, 1)
+    inside = (rel >= 0) & (rel <= depth.unsqueeze(2))
+    anc_pos = lens.view(B, 1, 1) + at_depth.gather(2, rel.clamp(0, max_depth).expand(B, T, n))
+    return torch.where(inside, anc_pos, j.expand(B, T, n))
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, *, invariant: bool = False) -> None:
         self.model, self.cache, self.device = model, cache, device
+        self.invariant = invariant
         self.num_forwards = 0
         # last-position logits of prompts whose samples are not all admitted yet
         self.prompt_logits: dict[int, torch.Tensor] = {}
         self.reused_prompts = 0  # groups admitted without a prompt forward
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView,
+                logits_index: torch.Tensor | None = None, key_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The model against the cache: the plain forward, or the shape-invariant one."""
+        if self.invariant:
+            return invariant_forward(self.model, ids, positions, view, logits_index, key_pos)
+        return self.model(ids, positions, view, logits_index=logits_index)
 
     @torch.inference_mode()
     def prefill(self, groups: list[list[Sequence]], cached: dict[int, int] | None = None) -> None:
@@ -77,7 +108,7 @@ class ModelRunner:
             mask = causal.expand(len(fresh), 1, T, T)
             view = self.cache.view(base, base + len(fresh), pos, mask)
             last = torch.tensor(lens, device=self.device).sub_(1).unsqueeze(1)
-            logits = self.model(ids, pos, view, logits_index=last)[:, 0]  # [G, V]
+            logits = self.forward(ids, pos, view, logits_index=last)[:, 0]  # [G, V]
             self.num_forwards += 1
             # Fan the prompt K/V out to every sample's slot; reverse order never overwrites a
             # prefill row before it is copied (row i is at base+i <= its group's first slot).
@@ -148,7 +179,11 @@ class ModelRunner:
         anc = ancestors(parents_d, max_depth, chain=chain)
         lens_d = lens.to(dev)
         view = self.cache.view(0, B, write_pos, self._tree_mask(lens_d, anc, kv_len))
-        logits = self.model(ids.to(dev), positions, view)  # [B, T, V]
+        # A tree node reads its ancestors where the tree put them, in depth order (invariant
+        # numerics need the same keys in the same logical places as the branch's path decode).
+        key_pos = _logical_keys(lens_d, anc, depth.to(dev), max_depth, kv_len) \
+            if self.invariant and not chain else None
+        logits = self.forward(ids.to(dev), positions, view, key_pos=key_pos)  # [B, T, V]
         self.num_forwards += 1
         out_pos = gen.unsqueeze(1) + depth  # index of the output token drawn at each node
         batch = _sampling_batch(seqs, out_pos, dev)

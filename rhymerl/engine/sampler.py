@@ -105,8 +105,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     """Draw one token per row of ``logits [N, V]``; returns ``(tokens [N], logprobs [N])``."""
     logp = sampling_logprobs(logits, batch.temperature, batch.top_p, batch.top_k)
     u = uniforms_at(batch.key, batch.position)
-    # float64 CDF: the comparison with u must not depend on how the sum was blocked.
-    cdf = logp.to(torch.float64).exp_().cumsum_(-1)
+    # float64 CDF: the comparison with u must not depend on how the sum was blocked. Rows are
+    # padded to whole vector widths (exp(-inf) = 0 adds nothing) so that no row's last entries
+    # fall into the scalar tail of the vectorised exp, which may round differently: a row's
+    # CDF is then the same bits at any batch size.
+    V = logp.shape[-1]
+    lp64 = logp.to(torch.float64)
+    if V % 32:
+        lp64 = torch.cat([lp64, lp64.new_full((lp64.shape[0], 32 - V % 32), float("-inf"))], 1)
+    cdf = lp64.exp_().cumsum_(-1)
+    if cdf.shape[-1] != V:
+        cdf = cdf[:, :V].contiguous()
     # First index whose CDF exceeds u * total: a zero-probability token is never chosen.
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     tokens = tokens.clamp_(max=logits.shape[-1] - 1)
