@@ -65,6 +65,16 @@ class WorkerPool:
     def alive(self) -> list[WorkerHandle]:
         return [h for h in self.handles if h.alive]
 
+    def gate_states(self, timeout: float = 60.0) -> list[dict[str, Any] | None]:
+        """Each worker's speculation-gate state (None: dead, or no gate), for checkpoints."""
+        return [h.call("gate_state", timeout=timeout) if h.alive else None for h in self.handles]
+
+    def load_gate_states(self, states: list[dict[str, Any] | None], timeout: float = 60.0) -> None:
+        """Restore what :meth:`gate_states` saved, worker by worker (extra or missing entries are skipped)."""
+        for h, st in zip(self.handles, states):
+            if h.alive and st is not None:
+                h.call("load_gate_state", st, timeout=timeout)
+
     def close(self) -> None:
         for h in self.handles:
             if h.alive:

@@ -50,6 +50,16 @@ class RolloutWorker:
         """Weights as numpy arrays (from Ray's object store, read without a copy)."""
         self.llm.update_weights({n: torch.from_numpy(a) for n, a in named.items()})
 
+    def gate_state(self) -> dict[str, Any] | None:
+        """The drafter's gate state (speed only: tokens never depend on it), for checkpoints."""
+        fn = getattr(self.engine.proposer, "gate_state", None)
+        return fn() if fn is not None else None
+
+    def load_gate_state(self, state: dict[str, Any]) -> None:
+        fn = getattr(self.engine.proposer, "load_gate_state", None)
+        if fn is not None:
+            fn(state)
+
     def advance(self, items: list[WorkItem], step: int, seconds: float) -> WorkerReport:
         """Queue ``items``, then run engine steps for about ``seconds`` (at least one step)."""
         finished, self._done = [r for r in self._done if r.outputs], []

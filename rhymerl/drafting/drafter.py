@@ -142,6 +142,35 @@ class HistoryDrafter:
             self._last_depth = {id(s): d.depth for s, d in zip(seqs, out) if d is not None}
         return out
 
+    def gate_state(self) -> dict:
+        """What the gate has learnt (acceptance, measured overheads, draft fill, and the cost
+        model measured at start-up), as plain data: a resumed run drafts as this one would."""
+        return {"acceptance": [self.acceptance.succ, self.acceptance.fail],
+                "overhead": {"plain": sorted(self.overhead.plain.items()), "spec": sorted(self.overhead.spec.items())},
+                "fill": self._fill,
+                "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
+                if self.cost_model is not None else None}
+
+    def load_gate_state(self, state: dict) -> None:
+        """Inverse of :meth:`gate_state`; a malformed state is ignored with a warning (speed only)."""
+        try:
+            succ, fail = (float(x) for x in state["acceptance"])
+            plain = {int(b): float(r) for b, r in state["overhead"]["plain"]}
+            spec = {int(b): float(r) for b, r in state["overhead"]["spec"]}
+            fill = float(state["fill"])
+            cost = None if state.get("cost") is None else \
+                CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
+        except (KeyError, TypeError, ValueError) as e:
+            import logging
+
+            logging.getLogger(__name__).warning("speculation gate state ignored (%s)", e)
+            return
+        self.acceptance.succ, self.acceptance.fail = succ, fail
+        self.overhead.plain, self.overhead.spec = plain, spec
+        self._fill = fill
+        if cost is not None and self.cost_model is not None:
+            self.cost_model = cost
+
     def observe_time(self, B: int, width: int, seconds: float) -> None:
         """The engine's measured time of one decode step (drafting included), less the
         one-off cost of building indices this step (amortised over the whole rollout)."""

@@ -67,7 +67,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if _transposed_is_invariant(weight):
         if R == 1:  # one column is a matrix-vector product, computed differently
             x2 = torch.cat([x2, x2])
-        out = torch.mm(weight, x2.t()).t()[:R]
+        # Token-major again (a copy): elementwise work after it (SiLU, residuals) must see whole
+        # feature rows, or a token's last entries may land in a vector loop's scalar tail.
+        out = torch.mm(weight, x2.t()).t()[:R].contiguous()
     else:
         Rp = -(-R // ROW_TILE) * ROW_TILE
         if Rp != R:

@@ -201,6 +201,8 @@ class RLRun:
         self.initial_accuracy = initial
         self.trainer.bad_steps = bad_steps
         self.carried = carried
+        gate = state.get("gate")
+        self._gate_states = gate if isinstance(gate, list) else []
         if self.history is not None:
             from rhymerl.drafting import HistoryStore
 
@@ -211,6 +213,8 @@ class RLRun:
 
     def _after_restore(self) -> None:
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
+        # The workers' speculation gates continue where they were (speed only).
+        self.rollout.pool.load_gate_states(getattr(self, "_gate_states", []))
         self.metrics.truncate_after(self.step)
         traces = self.run_dir / "traces.jsonl"
         if traces.exists():
@@ -506,7 +510,8 @@ class RLRun:
                                 self.trainer.scheduler,
                                 {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
                                  "bad_steps": self.trainer.bad_steps,
-                                 "carried": [g.to_dict() for g in self.carried]},
+                                 "carried": [g.to_dict() for g in self.carried],
+                                 "gate": self.rollout.pool.gate_states()},
                                 self.history)
         bar.close()
         self.metrics.close()
