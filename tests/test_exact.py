@@ -21,6 +21,7 @@ import torch
 from rhymerl.config import load_config
 from rhymerl.engine import LLM, SamplingParams
 from rhymerl.training.checkpoint import latest_checkpoint
+from rhymerl.training.metrics import read_metrics
 
 from tests.conftest import learning_metrics, rl_overrides, tiny_model
 
@@ -41,10 +42,13 @@ def test_without_invariance_the_logprobs_move_with_the_batch():
     assert [x[1] for x in a] != [x[1] for x in b]  # the reason for invariant numerics
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("sp", [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.3),
-                                dict(temperature=1.0, top_p=0.9, top_k=20), dict(temperature=0.0)],
-                         ids=["t0.7", "t1.0", "t1.3", "topp-topk", "greedy"])
+SETTINGS = [("float32", dict(temperature=0.7)), ("float32", dict(temperature=1.0)), ("float32", dict(temperature=1.3)),
+            ("float32", dict(temperature=1.0, top_p=0.9, top_k=20)), ("float32", dict(temperature=0.0)),
+            ("bfloat16", dict(temperature=1.0)), ("bfloat16", dict(temperature=0.7, top_p=0.9, top_k=20))]
+
+
+@pytest.mark.parametrize("dtype,sp", SETTINGS, ids=["t0.7", "t1.0", "t1.3", "topp-topk", "greedy", "bf16-t1.0",
+                                                    "bf16-topp-topk"])
 def test_invariant_tokens_and_logprobs_at_any_batch_with_or_without_drafts(dtype, sp):
     m = tiny_model(std=0.1)
     ref = _gen(m, batch=64, spec=None, invariant=True, dtype=dtype, **sp)
@@ -122,8 +126,7 @@ def test_rl_speculation_on_off_identical(base_model, tmp_path, temperature, extr
         train(load_config(None, rl_overrides(base_model, tmp_path / name) + common + ov), progress=False)
         got = learning_metrics(tmp_path / name)
         assert got == ref, name
-    steps = [r for r in __import__("rhymerl.training.metrics", fromlist=["read_metrics"]).read_metrics(
-        tmp_path / "path" / "metrics.jsonl") if "spec/decode_tokens" in r]
+    steps = [r for r in read_metrics(tmp_path / "path" / "metrics.jsonl") if "spec/decode_tokens" in r]
     assert sum(r["spec/decode_tokens"] - r["spec/decode_rows"] for r in steps[2:]) > 0  # drafts were accepted
 
 
@@ -139,6 +142,8 @@ def test_rl_one_and_two_workers_identical(base_model, tmp_path, backend):
     train(load_config(None, rl_overrides(base_model, tmp_path / "two") + EXACT + threads
                       + ["rollout.workers=2", f"rollout.backend={backend}"]), progress=False)
     assert learning_metrics(tmp_path / "two") == learning_metrics(tmp_path / "one")
+    rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert rows[1]["pipe/workers"] == 2
     if backend == "ray":
         import ray
 

@@ -100,28 +100,6 @@ def test_dynamic_sampling_filter_drops_groups_without_advantage(base_model, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_two_workers_learn_exactly_what_one_does(base_model, tmp_path, backend):
-    """Same seeds -> same tokens wherever a sample runs, so the learning metrics are equal."""
-    from rhymerl.training.rl import train
-
-    if backend == "ray":
-        pytest.importorskip("ray")
-    one = tmp_path / "one"
-    train(load_config(None, rl_overrides(base_model, one) + ["trainer.steps=3"]), progress=False)
-    two = tmp_path / "two"
-    train(load_config(None, rl_overrides(base_model, two) + ["trainer.steps=3", "rollout.workers=2",
-                                                          f"rollout.backend={backend}"]), progress=False)
-    assert learning_metrics(two) == learning_metrics(one)
-    rows = read_metrics(two / "metrics.jsonl")
-    assert rows[1]["pipe/workers"] == 2
-    if backend == "ray":
-        import ray
-
-        ray.shutdown()
-
-
-@pytest.mark.slow
 def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     from rhymerl.training.rl import train
 
