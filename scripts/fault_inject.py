@@ -4,7 +4,9 @@
 
 1. Kill -9 at random moments: a tiny RL run (24 steps, a checkpoint every step, HistoSpec on)
    is started, killed with SIGKILL at a moment drawn uniformly over the uninterrupted run's
-   whole wall time (start-up, rollout, update, checkpoint and history writes alike), then
+   whole wall time (start-up, rollout, update, checkpoint and history writes alike), or aimed
+   at a checkpoint write or a history write (``--aimed`` of each: those take milliseconds, so
+   a uniform draw rarely lands in one), then
    resumed with ``rhymerl train --resume`` (or, when the kill came before the run folder had
    its config, started again with the same command). Every resumed run's learning metrics
    must equal the uninterrupted run's. Where each kill landed is read from what it left: the
@@ -80,7 +82,7 @@ def _phase(where: str) -> str:
     return where
 
 
-def kill_trials(base: str, work: Path, kills: int, seed: int, env: dict[str, str]) -> list[dict]:
+def kill_trials(base: str, work: Path, kills: int, aimed: int, seed: int, env: dict[str, str]) -> list[dict]:
     ref = work / "ref"
     t0 = time.perf_counter()
     subprocess.run(_cli(*rl_overrides(base, ref), *STEPS), check=True, env=env, stdout=subprocess.DEVNULL,
@@ -90,12 +92,32 @@ def kill_trials(base: str, work: Path, kills: int, seed: int, env: dict[str, str
     print(f"uninterrupted run: {wall:.1f} s, {len(want)} metric rows")
     rng = random.Random(seed)
     rows = []
-    for i in range(kills):
+    # Random moments over the whole wall time, then moments aimed at the two short writes a
+    # uniform draw rarely hits: the kill lands as soon as a checkpoint folder (or the history
+    # file inside it) is being written.
+    plan = [("random", None)] * kills + [("aimed", "step_*.tmp")] * aimed + \
+        [("aimed", "step_*.tmp/.history.json.gz.*.tmp")] * aimed
+    for i, (how, pattern) in enumerate(plan):
         run = work / f"kill{i:02d}"
         at = rng.uniform(0.0, 1.0) * wall
         proc = subprocess.Popen(_cli(*rl_overrides(base, run), *STEPS), env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        time.sleep(at)
+        t0 = time.perf_counter()
+        if pattern is None:
+            time.sleep(at)
+        else:  # skip a random number of checkpoints first, so the aimed kills land at various steps
+            skip = rng.randrange(0, 12)
+            seen: set[str] = set()
+            while proc.poll() is None:
+                hits = sorted((run / "checkpoints").glob(pattern)) if (run / "checkpoints").exists() else []
+                fresh = [h for h in hits if str(h) not in seen]
+                if fresh:
+                    seen.update(str(h) for h in fresh)
+                    if skip == 0:
+                        break
+                    skip -= 1
+                time.sleep(0.0005)
+            at = time.perf_counter() - t0
         finished = proc.poll() is not None
         if not finished:
             os.kill(proc.pid, signal.SIGKILL)
@@ -107,11 +129,11 @@ def kill_trials(base: str, work: Path, kills: int, seed: int, env: dict[str, str
         else:  # nothing produced yet: the same command again
             r = subprocess.run(_cli(*rl_overrides(base, run), *STEPS), env=env, capture_output=True, text=True)
         got = learning_metrics(run) if r.returncode == 0 else None
-        row = {"trial": i, "kill_s": round(at, 2), "where": where, "resumed_from": ck.name if ck else "scratch",
+        row = {"trial": i, "how": how, "kill_s": round(at, 3), "where": where, "resumed_from": ck.name if ck else "scratch",
                "resume_rc": r.returncode, "equal": got == want,
                "lost": "nothing" if got == want else (r.stderr[-300:] or "metrics differ")}
         rows.append(row)
-        print(f"kill {i:2d} at {at:5.1f} s: {where:45s} resumed from {row['resumed_from']:12s} "
+        print(f"kill {i:2d} ({how}) at {at:6.3f} s: {where:45s} resumed from {row['resumed_from']:12s} "
               f"{'identical' if row['equal'] else 'DIFFERENT: ' + row['lost']}")
     return rows
 
@@ -142,7 +164,8 @@ FAULT_TESTS = {
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--kills", type=int, default=20, help="kills at uniformly random moments")
+    ap.add_argument("--aimed", type=int, default=3, help="kills aimed at checkpoint writes, and as many at history writes")
     ap.add_argument("--fuzz", type=int, default=1000, help="hypothesis cases per fuzzed input kind")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -154,7 +177,8 @@ def main() -> int:
     base = work / "base"
     if not (base / "config.json").exists():
         run_sft(load_config(None, TINY), base, progress=False)
-    report: dict = {"kills": kill_trials(str(base), work, args.kills, args.seed, env) if args.kills else []}
+    report: dict = {"kills": kill_trials(str(base), work, args.kills, args.aimed, args.seed, env) \
+        if args.kills or args.aimed else []}
     report["tests"] = {name: run_pytest(sel, env) for name, sel in FAULT_TESTS.items()}
     report["fuzz"] = run_pytest(["tests/test_fuzz.py"], {**env, "RHYMERL_FUZZ_EXAMPLES": str(args.fuzz)})
     report["fuzz"]["cases_per_kind"] = args.fuzz

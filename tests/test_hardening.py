@@ -372,3 +372,20 @@ def test_ray_backend_keeps_token_authentication_on():
         assert got == {"no token": "REFUSED", "wrong token": "REFUSED", "the cluster's token": "ACCEPTED"}
     finally:
         ray.shutdown()
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_cleanly(base_model, tmp_path):
+    """Found by scripts/fault_inject.py: a kill in step 1 left the initial evaluation's row (and
+    step 1's trace) behind, and the restarted run logged them again."""
+    import shutil
+
+    from rhymerl.training.rl import train
+
+    ov = ["trainer.steps=2"]
+    train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + ov), progress=False)
+    run = tmp_path / "run"
+    train(load_config(None, rl_overrides(base_model, run) + ov), progress=False)
+    shutil.rmtree(run / "checkpoints")  # as if killed after logging, before any checkpoint
+    train(resume=str(run), progress=False)
+    assert learning_metrics(run) == learning_metrics(tmp_path / "ref")
+    assert [json.loads(t)["step"] for t in (run / "traces.jsonl").read_text().splitlines()] == [1, 2]

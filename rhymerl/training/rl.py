@@ -150,8 +150,12 @@ class RLRun:
                                         tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
         from rhymerl.distribution.factory import build_coordinator
 
-        self.rollout = build_coordinator(cfg, base, dict(self.model.named_parameters()), tokenizer=self.tokenizer,
-                                         history=self.history)
+        try:
+            self.rollout = build_coordinator(cfg, base, dict(self.model.named_parameters()),
+                                             tokenizer=self.tokenizer, history=self.history)
+        except BaseException:
+            self.rewards.close()  # no reward processes left behind by a run that cannot start
+            raise
         self.metrics = MetricsLogger(run_dir)
         self.step = 0
         self.initial_accuracy: dict[str, float] | None = None
@@ -168,6 +172,10 @@ class RLRun:
         warning (it is never used half-way), and all of them damaged is an error."""
         ckpts = complete_checkpoints(self.run_dir)
         if not ckpts:
+            # Killed before its first checkpoint: it starts over, so what it logged goes too
+            # (found by fault injection: a kill mid-step-1 left a step-0 row that was logged again).
+            self.step = 0
+            self._truncate_logs()
             return False
         failures = []
         for ckpt in reversed(ckpts):
@@ -215,10 +223,16 @@ class RLRun:
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
         # The workers' speculation gates continue where they were (speed only).
         self.rollout.pool.load_gate_states(getattr(self, "_gate_states", []))
-        self.metrics.truncate_after(self.step)
+        self._truncate_logs()
+
+    def _truncate_logs(self) -> None:
+        """Drop logged steps after ``self.step`` (they will be redone); with no checkpoint,
+        every line, the initial evaluation's included."""
+        last = self.step if self.step > 0 else -1
+        self.metrics.truncate_after(last)
         traces = self.run_dir / "traces.jsonl"
         if traces.exists():
-            rewrite_jsonl(traces, [t for t in read_jsonl(traces) if t.get("step", 0) <= self.step])
+            rewrite_jsonl(traces, [t for t in read_jsonl(traces) if t.get("step", 0) <= last])
 
     # --- one step ------------------------------------------------------------------------------
     def _rollout(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup] | None = None) -> ScoredRollout:
