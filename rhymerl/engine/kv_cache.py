@@ -14,11 +14,15 @@ from rhymerl.model import CacheView, ModelConfig
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, capacity: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, value_ones: bool = False) -> None:
+        """``value_ones``: each cached value carries a trailing 1 (``head_dim + 1`` features), which
+        the invariant forward's ``[V | 1]`` products read in place instead of building per step."""
         assert cfg.head_dim is not None
         shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(*shape[:-1], cfg.head_dim + int(value_ones), device=device, dtype=dtype)
+        if value_ones:
+            self.v[..., -1] = 1.0
         self.num_slots, self.capacity = num_slots, capacity
 
     @staticmethod

@@ -46,7 +46,8 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.proposer = proposer
         headroom = (proposer.max_nodes + 1) if proposer is not None else 1
-        self.cache = KVCache(model.config, num_slots, capacity or max_model_len + headroom, device, dtype)
+        self.cache = KVCache(model.config, num_slots, capacity or max_model_len + headroom, device, dtype,
+                             value_ones=invariant)
         self.runner = ModelRunner(model, self.cache, device, invariant=invariant)
         if proposer is not None and getattr(proposer, "wants_cost_model", False):
             from rhymerl.engine.cost_model import calibrate

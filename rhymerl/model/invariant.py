@@ -120,8 +120,12 @@ def chunked_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, posit
     Rc = cols.shape[2]
 
     # Values with a column of ones: [V | 1]^T @ P^T gives the weighted values and, in its last
-    # row, the softmax denominator, from one fixed-shape product per chunk.
-    v1 = torch.cat([vc[:, :, :n].to(f32), vc.new_ones(B, KV, n, 1, dtype=f32)], 3)
+    # row, the softmax denominator, from one fixed-shape product per chunk. The engine's cache
+    # keeps the ones in place (``KVCache(value_ones=True)``); a plain cache gets them here.
+    if vc.shape[-1] == D + 1:
+        v1 = vc[:, :, :n].to(f32)
+    else:
+        v1 = torch.cat([vc[:, :, :n].to(f32), vc.new_ones(B, KV, n, 1, dtype=f32)], 3)
     kf = kc[:, :, :n].to(f32)
 
     def chunk(c: int, cache: torch.Tensor) -> torch.Tensor:
@@ -171,7 +175,11 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     kc, vc = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
     idx = cache.flat_index()
     kc.view(-1, D).index_copy_(0, idx, k.reshape(-1, D))
-    vc.view(-1, D).index_copy_(0, idx, v.reshape(-1, D))
+    Fv = vc.shape[-1]  # D, or D + 1 with the cache's column of ones
+    v_rows = v.reshape(-1, D)
+    if Fv == D + 1:
+        v_rows = torch.cat([v_rows, v_rows.new_ones(v_rows.shape[0], 1)], 1)
+    vc.view(-1, Fv).index_copy_(0, idx, v_rows)
     out = chunked_attention(q, kc, vc, positions, n, key_pos)
     return invariant_linear(out.transpose(1, 2).reshape(B, T, H * D), attn.o_proj.weight, attn.o_proj.bias)
 
