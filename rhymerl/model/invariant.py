@@ -5,16 +5,17 @@ The float result of a matmul depends on its shape: on this CPU (torch 2.13, MKL)
 or more, while for a *fixed* number of rows a row's result is bitwise the same wherever it
 sits in the call and whatever the other rows hold. So the logits of a position drift with
 the batch it ran in, and speculation (which scores more tokens per row) could pick another
-token at a near-tie. Here every matmul has one fixed shape, so the logits at a position are
-bitwise the same in a prefill, a 1-token decode or a path or tree verification, at any batch
-size or slot:
+token at a near-tie. Here every product is laid out so that a token's result does not depend
+on how many tokens share the call, so the logits at a position are bitwise the same in a
+prefill, a 1-token decode or a path or tree verification, at any batch size or slot:
 
 - a matmul's *columns* are bitwise the same whatever the number of columns (2 or more) when
   its rows and reduction length are fixed (measured: every column count from 2 to 700, for
   the shapes below). So tokens go in the columns: a linear is computed as ``W @ x^T`` (rows =
   output features, fixed), for every weight shape that passes a self-test when the engine
   starts; a shape that fails it (on this CPU: fp32 with a reduction of 896 or more, where MKL
-  blocks the reduction by the problem size) falls back to tiles of exactly ``ROW_TILE`` rows;
+  blocks the reduction by the problem size), or is too large to self-test cheaply, falls back
+  to tiles of exactly ``ROW_TILE`` rows; results return to token-major rows (a copy);
 - attention per (row, KV head) reads keys padded to whole chunks of ``KEY_CHUNK`` positions:
   scores are ``K @ Q^T`` (a row per key, a column per query), the weighted values
   ``[V_chunk | 1]^T @ P^T`` per chunk (the column of ones gives the softmax denominator from
@@ -22,8 +23,9 @@ size or slot:
   length add exact zeros. A tree node reads its keys in *logical* order (the prompt's, then its
   ancestors' by depth), gathered where the tree put them, so it computes exactly what the path
   decode of its branch computes;
-- norms and softmax are row-wise kernels, and elementwise work is laid out in whole vector
-  widths (chunks of 64), so no row falls into a vectorised loop's scalar tail.
+- norms and softmax are row-wise kernels, and transcendental elementwise work (SiLU, exp) runs
+  on token-major rows or 64-key chunks, whole vector widths, so no token's entries fall into a
+  vectorised loop's scalar tail (which may round differently).
 
 The same code runs on CUDA (invariance there rests on the same fixed-shape argument, but is
 not measured here). Training and HF-parity paths keep :class:`CausalLM`'s plain forward.
