@@ -279,8 +279,7 @@ def test_drafts_come_from_the_previous_epoch_through_the_worker_path():
     store = HistoryStore(max_rollouts=1)
     drafter = HistoryDrafter(store=store)
     prompt = [5, 6, 7, 8, 9]
-    for epoch in range(1, 6):
-        responses = [[10 + epoch, 20 + epoch, 30 + epoch, 2]] * 2  # each epoch's own tokens
+    for epoch in range(1, 6):  # epoch e's responses are [10+e, 20+e, 30+e, EOS]
         drafter.begin(epoch)
         store.put("p", prompt, [(epoch - 1, [[10 + epoch - 1, 20 + epoch - 1, 30 + epoch - 1, 2]] * 2, [None] * 2)]
                   if epoch > 1 else [])
@@ -290,7 +289,6 @@ def test_drafts_come_from_the_previous_epoch_through_the_worker_path():
             continue
         indexed = {tuple(s[len(prompt):]) for s in idx.seqs}
         assert indexed == {(10 + epoch - 1, 20 + epoch - 1, 30 + epoch - 1, 2)}, (epoch, indexed)
-        del responses
 
 
 def test_long_generation_keeps_engine_stats_and_drafter_cache_flat():

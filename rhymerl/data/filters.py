@@ -78,7 +78,6 @@ def filter_rows(rows: list[PromptRow], tokenizer: Any, *, max_model_len: int, mi
     if report.overlong or report.unencodable:
         log.warning("%s data: dropped %s (prompts must leave data.min_response_tokens=%d of "
                     "rollout.max_model_len=%d)", what, report.summary(), min_response_tokens, max_model_len)
-        print(f"warning: {what} data: dropped {report.summary()}")
     if rows and not kept:
         raise DatasetError(f"{what} data: every one of {len(rows)} rows was dropped ({report.summary()})")
     return kept, report

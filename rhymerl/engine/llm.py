@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from rhymerl.device import resolve_device, resolve_dtype
 from rhymerl.engine.draft import Proposer
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.llm_engine import LLMEngine
+from rhymerl.engine.llm_engine import LLMEngine, kv_capacity
 from rhymerl.engine.outputs import RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model import CausalLM, load_pretrained
@@ -52,11 +52,7 @@ class LLM:
         self.model: CausalLM = model.eval()
         self.tokenizer = tokenizer
         proposer = self._build_proposer(speculative)
-        capacity = max_model_len + ((proposer.max_nodes + 1) if proposer is not None else 1)
-        if invariant:  # keys are read in whole chunks
-            from rhymerl.model.invariant import KEY_CHUNK
-
-            capacity = -(-capacity // KEY_CHUNK) * KEY_CHUNK
+        capacity = kv_capacity(max_model_len, proposer, invariant)
         num_slots = max_num_seqs if kv_cache_tokens is None else min(max_num_seqs, kv_cache_tokens // capacity)
         if num_slots < 1:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of "
@@ -72,7 +68,7 @@ class LLM:
         detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
         self.engine = LLMEngine(self.model, num_slots=num_slots, max_model_len=max_model_len,
                                 device=self.device, dtype=self.dtype, eos_token_ids=eos,
-                                proposer=proposer, detokenize=detok, invariant=invariant, capacity=capacity)
+                                proposer=proposer, detokenize=detok, invariant=invariant)
         self._rng = random.Random(seed)
         self._calls = 0
 

@@ -38,16 +38,26 @@ class EngineStats:
         return (rows + self.accepted) / rows if rows else 0.0
 
 
+def kv_capacity(max_model_len: int, proposer: Proposer | None, invariant: bool) -> int:
+    """Cached positions per slot: the model length, room for a draft tree's nodes, and (with
+    invariant numerics, which read keys in whole chunks) rounded up to whole key chunks."""
+    capacity = max_model_len + ((proposer.max_nodes + 1) if proposer is not None else 1)
+    if invariant:
+        from rhymerl.model.invariant import KEY_CHUNK
+
+        capacity = -(-capacity // KEY_CHUNK) * KEY_CHUNK
+    return capacity
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, *, num_slots: int, max_model_len: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: list[int], proposer: Proposer | None = None,
-                 detokenize=None, invariant: bool = False, capacity: int | None = None) -> None:
+                 detokenize=None, invariant: bool = False) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.max_model_len = max_model_len
         self.proposer = proposer
-        headroom = (proposer.max_nodes + 1) if proposer is not None else 1
-        self.cache = KVCache(model.config, num_slots, capacity or max_model_len + headroom, device, dtype,
-                             value_ones=invariant)
+        self.cache = KVCache(model.config, num_slots, kv_capacity(max_model_len, proposer, invariant), device,
+                             dtype, value_ones=invariant)
         self.runner = ModelRunner(model, self.cache, device, invariant=invariant)
         if proposer is not None and getattr(proposer, "wants_cost_model", False):
             from rhymerl.engine.cost_model import calibrate

@@ -18,7 +18,7 @@ from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampler import SamplingBatch, sample
 from rhymerl.engine.sequence import Sequence
 from rhymerl.model import CacheView, CausalLM
-from rhymerl.model.invariant import invariant_forward
+from rhymerl.model.invariant import KEY_CHUNK, invariant_forward
 
 
 @dataclass
@@ -49,8 +49,6 @@ def _logical_keys(lens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, ma
     ``j`` (``n`` = ``kv_len`` rounded up to whole key chunks): ``j`` itself below the row's
     cached length ``L``, then the node's ancestor at depth ``j - L`` (stored at ``L`` + its node
     index), and ``j`` again past the node (masked there)."""
-    from rhymerl.model.invariant import KEY_CHUNK
-
     B, T, _ = anc.shape
     dev = lens.device
     n = -(-kv_len // KEY_CHUNK) * KEY_CHUNK

@@ -47,12 +47,16 @@ class RewardSpec:
     fn_name: str = "compute_score"
     sources: tuple[str, ...] = ()
 
+    def user_fn_name(self) -> str:
+        """How errors name the user's function."""
+        return f"{self.fn_name!r} from {self.reward_file}"
+
     def build(self) -> "RewardRegistry":
         reg = RewardRegistry()
         if self.reward_file:
             fn = load_reward_file(self.reward_file, self.fn_name)
             for src in self.sources:
-                reg.register(src, fn, name=f"{self.fn_name} ({self.reward_file})")
+                reg.register(src, fn, name=self.user_fn_name())
         return reg
 
 

@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy (or sampled) accuracy and response lengths."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,8 +21,6 @@ class Scorer(Protocol):
 def prompt_seed(seed: int, key: str) -> int:
     """One evaluation prompt's sampling seed: its own random streams, not the ones every other
     prompt shares (one seed for all would correlate avg@n across prompts)."""
-    import zlib
-
     return (seed * 1_000_003 + zlib.crc32(key.encode())) & ((1 << 62) - 1)
 
 

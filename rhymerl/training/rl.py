@@ -180,19 +180,19 @@ class RLRun:
         failures = []
         for ckpt in reversed(ckpts):
             try:
-                self._restore(ckpt)
-                self._after_restore()
+                gate = self._restore(ckpt)
+                self._after_restore(gate)
                 print(f"resumed {self.run_dir} from {ckpt.name}")
                 break
             except CheckpointError as e:
                 log.warning("%s; trying an older checkpoint", e)
-                print(f"warning: {e}; trying an older checkpoint")
                 failures.append(str(e))
         else:
             raise CheckpointError(f"{self.run_dir}: no checkpoint could be restored: " + "; ".join(failures))
         return True
 
-    def _restore(self, ckpt: Path) -> None:
+    def _restore(self, ckpt: Path) -> list:
+        """Load ``ckpt`` into the run; returns the workers' saved gate states."""
         state = load_checkpoint_into(ckpt, self.model, self.trainer.optimizer, self.trainer.scheduler,
                                      device=self.device, dtype=next(self.model.parameters()).dtype)
         try:
@@ -210,7 +210,6 @@ class RLRun:
         self.trainer.bad_steps = bad_steps
         self.carried = carried
         gate = state.get("gate")
-        self._gate_states = gate if isinstance(gate, list) else []
         if self.history is not None:
             from rhymerl.drafting import HistoryStore
 
@@ -218,11 +217,11 @@ class RLRun:
             loaded = HistoryStore.load(ckpt / "history.json.gz",
                                        tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
             self.history.replace_with(loaded)
+        return gate if isinstance(gate, list) else []
 
-    def _after_restore(self) -> None:
+    def _after_restore(self, gate: list) -> None:
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
-        # The workers' speculation gates continue where they were (speed only).
-        self.rollout.pool.load_gate_states(getattr(self, "_gate_states", []))
+        self.rollout.pool.load_gate_states(gate)  # the workers' gates continue where they were
         self._truncate_logs()
 
     def _truncate_logs(self) -> None:
@@ -347,7 +346,7 @@ class RLRun:
             # Broken, not unlucky: an import error or a typo fails every row, and training on
             # all-zero rewards would look like a run that learns nothing.
             raise RewardFunctionError(
-                f"step {step}: the reward function {self.rewards_name(rows[0].data_source)} failed on every one of "
+                f"step {step}: the reward function {self._reward_fn_name(rows[0].data_source)} failed on every one of "
                 f"the step's {scored_n} responses ({errors} raised, {timeouts} timed out); first: {first.first_error}")
         # rewards ran while other prompts were still generating: rollout time excludes them
         gen_s, reward_s = first.gen_s, first.reward_s
@@ -494,10 +493,10 @@ class RLRun:
         self.rollout.pool.close()
         self.rewards.close()
 
-    def rewards_name(self, data_source: str) -> str:
-        """The reward function's name for ``data_source`` (for errors)."""
-        if self.reward_spec.reward_file and data_source in self.reward_spec.sources:
-            return f"{self.reward_spec.fn_name!r} from {self.reward_spec.reward_file}"
+    def _reward_fn_name(self, data_source: str) -> str:
+        spec = self.reward_spec
+        if spec.reward_file and data_source in spec.sources:
+            return spec.user_fn_name()
         return f"for data_source {data_source!r}"
 
     def _run(self) -> dict[str, Any]:
