@@ -1,6 +1,8 @@
 """Fault injection, for a reviewer to run (about 15 minutes on 2 CPU cores).
 
-    .venv/bin/python scripts/fault_inject.py [--kills 20] [--fuzz 1000] [--seed 0] [--json F]
+    .venv/bin/python scripts/fault_inject.py [--kills 20] [--aimed 3] [--fuzz 1000] [--seed 0] [--json F]
+
+in the venv of the README's test command (the fault tests and the fuzzers need the ``[test]`` extra).
 
 1. Kill -9 at random moments: a tiny RL run (24 steps, a checkpoint every step, HistoSpec on)
    is started, killed with SIGKILL at a moment drawn uniformly over the uninterrupted run's
