@@ -173,6 +173,13 @@ class TrainerSection:
     eval_every: int = 20
     max_bad_steps: int = 3
     output_dir: str = "runs/{task}-seed{seed}"
+    # Trainer ranks joined by torch.distributed (gloo on CPU, nccl on CUDA). 1: the update runs
+    # in the controller's process; N > 1: N ranks, local processes or Ray actors as
+    # rollout.backend / cluster.address say, started by the run itself (no torchrun).
+    world_size: int = 1
+    strategy: str = "fsdp"  # one of rhymerl.training.parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
+    collective_timeout_s: float = 600.0  # a collective waiting longer fails on its rank
+    rank_timeout_s: float = 3600.0  # a rank silent this long in one call stops the run
 
 
 @dataclass
@@ -270,6 +277,7 @@ def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "data.task": None,  # checked against the task registry below
+    "trainer.strategy": None,  # checked against the strategy registry below
     "rollout.speculative.method": ("none", "history", "ngram"),
     "rollout.speculative.length_policy": ("additive", "multiplicative"),
     "algorithm.adv_estimator": ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"),
@@ -293,11 +301,16 @@ def _validate(cfg: RunConfig) -> None:
     for key, choices in _CHOICES.items():
         if choices is not None and flat[key] not in choices:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {choices}")
+    from rhymerl.training.parallel import STRATEGIES
+
+    if cfg.trainer.strategy not in STRATEGIES:
+        raise ConfigError(f"trainer.strategy: {cfg.trainer.strategy!r} is not one of {sorted(STRATEGIES)}")
     if not cfg.data.train_files and cfg.data.task not in TASKS:
         raise ConfigError(f"data.task: unknown task {cfg.data.task!r} (built-in: {sorted(TASKS)})")
     positive = ["rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
                 "trainer.batch_prompts", "trainer.micro_batch_size", "sft.batch_size", "trainer.ppo_epochs",
-                "trainer.ppo_mini_batches", "rollout.workers", "rollout.worker_timeout_s"]
+                "trainer.ppo_mini_batches", "rollout.workers", "rollout.worker_timeout_s", "trainer.world_size",
+                "trainer.collective_timeout_s", "trainer.rank_timeout_s"]
     for key in positive:
         if flat[key] <= 0:
             raise ConfigError(f"{key}: must be > 0, got {flat[key]}")

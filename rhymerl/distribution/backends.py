@@ -138,34 +138,40 @@ class InprocPool(WorkerPool):
 
 
 # --- local processes ----------------------------------------------------------------------------
-def _serve(conn, spec: WorkerSpec, flat: torch.Tensor, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
-    """A worker process: answer calls until told to stop or the pipe closes."""
+def _serve(conn, cls: type, args: tuple) -> None:
+    """A worker process: build ``cls(*args)``, then answer calls until told to stop or the pipe closes."""
     import faulthandler
     import signal
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung worker is
     try:
-        worker = RolloutWorker(spec)
+        obj = cls(*args)
     except BaseException:  # noqa: BLE001 - reported to the controller
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ok", os.getpid()))
     while True:
         try:
-            method, args = conn.recv()
+            method, call_args = conn.recv()
         except (EOFError, OSError):
             return
         if method == "close":
             return
         try:
-            if method == "load_shared":
-                worker.update_weights({n: flat[o:o + _numel(s)].view(s) for n, o, s in layout})
-                res: Any = None
-            else:
-                res = getattr(worker, method)(*args)
-            conn.send(("ok", res))
+            conn.send(("ok", getattr(obj, method)(*call_args)))
         except BaseException:  # noqa: BLE001 - one failing call does not take the worker down
             conn.send(("error", traceback.format_exc()))
+
+
+class SharedWeightsWorker(RolloutWorker):
+    """A rollout worker that reads its weight syncs from a buffer shared with the controller."""
+
+    def __init__(self, spec: WorkerSpec, flat: torch.Tensor, layout: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        super().__init__(spec)
+        self._flat, self._layout = flat, layout
+
+    def load_shared(self) -> None:
+        self.update_weights({n: self._flat[o:o + _numel(s)].view(s) for n, o, s in self._layout})
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -213,32 +219,60 @@ class ProcessHandle(WorkerHandle):
         self.proc.join(timeout=5)
 
 
+def shared_buffer(named: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[str, int, tuple[int, ...]]]]:
+    """One float32 shared-memory buffer with room for every tensor of ``named``, and its layout."""
+    layout, off = [], 0
+    for n, t in named.items():
+        layout.append((n, off, tuple(t.shape)))
+        off += t.numel()
+    return torch.empty(off, dtype=torch.float32).share_memory_(), layout
+
+
+def spawn_processes(cls: type, args: list[tuple], *, name: str,
+                    env: Mapping[str, str] | None = None) -> list[ProcessHandle]:
+    """One spawned process per ``args`` entry, each serving ``cls(*entry)``; returns once all
+    are built (a failed build raises, naming the process). ``env`` is set in the children."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    handles = []
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})  # spawned children inherit the environment at start
+    try:
+        for i, a in enumerate(args):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child, cls, a), daemon=True, name=f"{name}-{i}")
+            proc.start()
+            child.close()
+            handles.append(ProcessHandle(i, proc, parent))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        for h in handles:  # each process says it is ready once built
+            h.started_at = time.monotonic()
+            h.result()
+    except BaseException:
+        for h in handles:
+            h.kill()
+        raise
+    return handles
+
+
 class ProcessPool(WorkerPool):
     """Worker processes on this machine (spawned: no inherited torch threads), the cores split among them."""
 
     def __init__(self, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor]) -> None:
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
         # One flat shared buffer holds every weight; a sync writes it once and each worker
         # copies from it, so the weights never pass through a pipe or a file.
-        layout, off = [], 0
-        for n, t in named.items():
-            layout.append((n, off, tuple(t.shape)))
-            off += t.numel()
-        self._flat = torch.empty(off, dtype=torch.float32).share_memory_()
-        self._layout = layout
-        self.handles = []
-        for i, spec in enumerate(specs):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, spec, self._flat, layout), daemon=True,
-                               name=f"rhymerl-worker-{i}")
-            proc.start()
-            child.close()
-            self.handles.append(ProcessHandle(i, proc, parent))
-        for h in self.handles:  # each worker says it is ready once its model is loaded
-            h.started_at = time.monotonic()
-            h.result()
+        self._flat, self._layout = shared_buffer(named)
+        self.handles = spawn_processes(SharedWeightsWorker, [(spec, self._flat, self._layout) for spec in specs],
+                                       name="rhymerl-worker")
 
     def wait(self, timeout: float) -> list[WorkerHandle]:
         busy = {h.conn: h for h in self.handles if h.alive and h.started_at is not None}

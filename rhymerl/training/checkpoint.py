@@ -1,8 +1,9 @@
 """Run checkpoints: written to a temporary folder and renamed, so a half-written one is never used.
 
-A checkpoint holds the policy (HF layout, safetensors), optimizer and scheduler state,
-every RNG, the dataloader position, the history store and the step. Optimizer and RNG
-state use ``torch.save`` and are read back with ``weights_only=True`` (no code runs).
+A checkpoint holds the policy (HF layout, safetensors), the trainer's optimizer and scheduler
+state (``optim.pt`` from one process; ``trainer/``, sharded by ``torch.distributed.checkpoint``,
+from many ranks), every RNG, the dataloader position, the history store and the step.
+Optimizer and RNG state are read back with ``weights_only=True`` (no code runs).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -26,8 +27,9 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: CausalLM, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, state: dict[str, Any], history: Any | None, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model: CausalLM, tokenizer: Any, save_trainer: Callable[[Path], None],
+                    state: dict[str, Any], history: Any | None, keep: int = 2) -> Path:
+    """Write step ``step``'s checkpoint; ``save_trainer(folder)`` adds the trainer's state."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -35,7 +37,7 @@ def save_checkpoint(run_dir: Path, step: int, model: CausalLM, tokenizer: Any, o
     save_pretrained(model, tmp / "policy")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "policy"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+    save_trainer(tmp)
     _, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
     torch.save({"torch": torch.get_rng_state(), "numpy": torch.from_numpy(np_keys.astype(np.int64)),
                 "numpy_rest": torch.tensor([np_pos, np_gauss, np_cached], dtype=torch.float64),
@@ -74,12 +76,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint_into(ckpt: Path, model: CausalLM, optimizer: torch.optim.Optimizer, scheduler: Any,
+def load_checkpoint_into(ckpt: Path, model: CausalLM, load_trainer: Callable[[Path], None],
                          *, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Restore model weights, optimizer, scheduler and RNGs; returns ``state.json``.
+    """Restore model weights, the trainer's state (``load_trainer(ckpt)``) and RNGs; returns ``state.json``.
 
-    Every file is read and checked before any state is applied; a damaged checkpoint raises
-    :class:`CheckpointError` naming the file (the caller then falls back to an older one).
+    Every file is read and checked before any state is applied (the trainer's state reads all
+    of its own before applying it); a damaged checkpoint raises :class:`CheckpointError` naming
+    the file (the caller then falls back to an older one).
     """
     def read(name: str, fn: Any) -> Any:
         try:
@@ -105,26 +108,22 @@ def load_checkpoint_into(ckpt: Path, model: CausalLM, optimizer: torch.optim.Opt
         return st
 
     weights = read("policy", policy)
-    opt = read("optim.pt", lambda p: torch.load(p, weights_only=True))
     rng = read("rng.pt", lambda p: torch.load(p, weights_only=True))
     st = read("state.json", state)
-    saved_opt = optimizer.state_dict()
     try:
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(opt["optimizer"])
-        scheduler.load_state_dict(opt["scheduler"])
         pos, gauss, cached = rng["numpy_rest"].tolist()
         np_state = ("MT19937", rng["numpy"].numpy().astype(np.uint32), int(pos), int(gauss), cached)
         py_state = (3, tuple(int(x) for x in rng["python"].tolist()), None)
         np.random.RandomState().set_state(np_state)  # validate before touching the global RNGs
         random.Random().setstate(py_state)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(np_state)
-        random.setstate(py_state)
+        torch.random.default_generator.clone_state().set_state(rng["torch"])
     except Exception as e:  # noqa: BLE001
-        optimizer.load_state_dict(saved_opt)
-        raise CheckpointError(f"{ckpt}: optimizer, scheduler or RNG state does not fit this run "
-                              f"({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{ckpt / 'rng.pt'}: RNG state does not fit this run ({type(e).__name__}: {e})") from e
+    load_trainer(ckpt)
+    model.load_state_dict(weights)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(np_state)
+    random.setstate(py_state)
     return st
 
 

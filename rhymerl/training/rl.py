@@ -13,7 +13,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from rhymerl.training.metrics import MetricsLogger, plot_run, read_metrics
 from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
 from rhymerl.training.sft import CARD, print_card, run_sft, sft_output_dir
 from rhymerl.training.trainer import Experience, PolicyTrainer
+
+if TYPE_CHECKING:
+    from rhymerl.distribution.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +120,14 @@ class RLRun:
         self.device = resolve_device(cfg.model.device)
         dtype = resolve_dtype(cfg.model.dtype)
         self.tokenizer = load_tokenizer(base)
-        self.model = load_pretrained(base, device=self.device, dtype=torch.float32 if self.device.type == "cpu"
-                                     else dtype)
-        ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+        distributed = cfg.trainer.world_size > 1
+        # Many ranks: this process keeps a CPU copy of the policy, which rank 0 publishes into
+        # after each update; the rollout workers sync from it and checkpoints are written from it.
+        on_cpu = self.device.type == "cpu" or distributed
+        self.model = load_pretrained(base, device="cpu" if distributed else self.device,
+                                     dtype=torch.float32 if on_cpu else dtype)
+        ref = copy.deepcopy(self.model).eval().requires_grad_(False) \
+            if cfg.algorithm.kl_coef > 0 and not distributed else None
         train_rows, val_rows = task_splits(cfg.data, cfg.seed)
         fit = dict(max_model_len=cfg.rollout.max_model_len, min_response_tokens=cfg.data.min_response_tokens,
                    skip_bad_rows=cfg.data.skip_bad_rows)
@@ -135,10 +143,22 @@ class RLRun:
         self.reward_spec = RewardSpec(cfg.data.reward_file, cfg.data.reward_fn_name, sources)
         self.rewards = RewardPool(self.reward_spec, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
         steps_per_update = cfg.trainer.ppo_epochs * cfg.trainer.ppo_mini_batches
-        self.trainer = PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref,
-                                     total_optimizer_steps=cfg.trainer.steps * steps_per_update,
-                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                     top_k=cfg.rollout.top_k)
+        total = cfg.trainer.steps * steps_per_update
+        self.trainer: PolicyTrainer | TrainerGroup
+        if distributed:
+            from rhymerl.distribution.trainer_group import TrainerGroup
+
+            try:
+                self.trainer = TrainerGroup(cfg, base, self.model, with_ref=cfg.algorithm.kl_coef > 0,
+                                            total_optimizer_steps=total)
+            except BaseException:
+                self.rewards.close()
+                raise
+        else:
+            self.trainer = PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref,
+                                         total_optimizer_steps=total, temperature=cfg.rollout.temperature,
+                                         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.sync_bytes = sum(p.numel() * 4 for p in self.model.parameters())  # float32 to the workers
         spec = cfg.rollout.speculative
         self.history = None
         if spec.method != "none" or cfg.rollout.schedule == "histopipe":
@@ -154,7 +174,9 @@ class RLRun:
             self.rollout = build_coordinator(cfg, base, dict(self.model.named_parameters()),
                                              tokenizer=self.tokenizer, history=self.history)
         except BaseException:
-            self.rewards.close()  # no reward processes left behind by a run that cannot start
+            self.rewards.close()  # no reward or trainer processes left behind by a run that cannot start
+            if distributed:
+                self.trainer.close()
             raise
         self.metrics = MetricsLogger(run_dir)
         self.step = 0
@@ -193,8 +215,9 @@ class RLRun:
 
     def _restore(self, ckpt: Path) -> list:
         """Load ``ckpt`` into the run; returns the workers' saved gate states."""
-        state = load_checkpoint_into(ckpt, self.model, self.trainer.optimizer, self.trainer.scheduler,
-                                     device=self.device, dtype=next(self.model.parameters()).dtype)
+        state = load_checkpoint_into(ckpt, self.model, self.trainer.load_state,
+                                     device=next(self.model.parameters()).device,
+                                     dtype=next(self.model.parameters()).dtype)
         try:
             self.loader.load_state_dict(state["loader"])
             carried = [CarriedGroup.from_dict(d) for d in state.get("carried", [])]
@@ -412,6 +435,9 @@ class RLRun:
             old_s = upd_s = 0.0
             log.warning("step %d: every group had equal rewards; no update", step)
         t = time.perf_counter()
+        sync_bytes = self.sync_bytes
+        if not isinstance(self.trainer, PolicyTrainer):
+            sync_bytes += self.trainer.publish().bytes  # the ranks' new weights into this process's copy
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
         sync_s = time.perf_counter() - t
         step_s = time.perf_counter() - t_step
@@ -442,6 +468,7 @@ class RLRun:
             "data/epoch": self.loader.state.epoch,
             "timing_s/gen": gen_s, "timing_s/reward": reward_s, "timing_s/old_logp": old_s,
             "timing_s/update": upd_s, "timing_s/sync": sync_s, "timing_s/step": step_s,
+            "perf/sync_bytes": sync_bytes,
             "perf/throughput": gen_tokens / step_s,
             "perf/gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
             "spec/accepted_per_forward": (rows_f + acc) / rows_f if rows_f else 1.0,
@@ -492,6 +519,8 @@ class RLRun:
         """Stop the rollout workers and the reward processes (idempotent)."""
         self.rollout.pool.close()
         self.rewards.close()
+        if not isinstance(self.trainer, PolicyTrainer):
+            self.trainer.close()
 
     def _reward_fn_name(self, data_source: str) -> str:
         spec = self.reward_spec
@@ -519,9 +548,9 @@ class RLRun:
                             acc_fwd=f"{m['spec/accepted_per_forward']:.2f}",
                             val=f"{last_val:.2f}")
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
-                save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.trainer.optimizer,
-                                self.trainer.scheduler,
+                save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.trainer.save_state,
                                 {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
+                                 "world_size": cfg.trainer.world_size, "strategy": cfg.trainer.strategy,
                                  "bad_steps": self.trainer.bad_steps,
                                  "carried": [g.to_dict() for g in self.carried],
                                  "gate": self.rollout.pool.gate_states()},

@@ -1,9 +1,12 @@
 """The policy update of one RL step: old log-probs, PPO epochs over mini-batches, micro-batches."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
 
@@ -12,6 +15,8 @@ from rhymerl.model import CausalLM
 from rhymerl.training.algos import POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
 
 log = logging.getLogger(__name__)
+
+TRAINER_DIR = "trainer"  # a checkpoint's sharded trainer state (torch.distributed.checkpoint)
 
 
 @dataclass
@@ -48,10 +53,21 @@ def lr_lambda(trainer: TrainerSection, total_steps: int):
 
 
 class PolicyTrainer:
-    def __init__(self, model: CausalLM, trainer: TrainerSection, algo: AlgorithmSection, device: torch.device,
-                 ref_model: CausalLM | None = None, total_optimizer_steps: int = 1,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1) -> None:
+    """The update on one process. With ``world_size > 1`` this is one rank of a data-parallel
+    group (``rhymerl.training.parallel``): ``model`` is already wrapped by the strategy, each
+    rank takes its token-balanced part of every mini-batch, the loss keeps the global batch's
+    normaliser, so the summed gradient is one process's up to float summation order."""
+
+    def __init__(self, model: torch.nn.Module, trainer: TrainerSection, algo: AlgorithmSection, device: torch.device,
+                 ref_model: torch.nn.Module | None = None, total_optimizer_steps: int = 1,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, *,
+                 rank: int = 0, world_size: int = 1,
+                 grad_sync: Callable[[bool], ContextManager[None]] | None = None) -> None:
         self.model, self.cfg, self.algo, self.device, self.ref = model, trainer, algo, device, ref_model
+        self.rank, self.world_size = rank, world_size
+        # grad_sync(last) wraps a micro-batch's backward: gradients are reduced across ranks
+        # only on a mini-batch's last one (DDP's no_sync, FSDP2's set_requires_gradient_sync).
+        self.grad_sync = grad_sync or (lambda last: contextlib.nullcontext())
         # Log-probs are those of the distribution the rollout sampled from (logits / T, then
         # top-k and top-p, renormalised): the engine's own function computes them, so the
         # gradient is taken for the policy that was sampled (verl uses logits / T alone).
@@ -63,7 +79,7 @@ class PolicyTrainer:
                                                            lr_lambda(trainer, total_optimizer_steps))
         self.bad_steps = 0
 
-    def _token_logp(self, model: CausalLM, ids: torch.Tensor, with_entropy: bool = False):
+    def _token_logp(self, model: torch.nn.Module, ids: torch.Tensor, with_entropy: bool = False):
         raw = model(ids)[:, :-1].float()
         logits = raw / self.temperature
         if self.top_p < 1.0 or self.top_k > 0:
@@ -104,7 +120,14 @@ class PolicyTrainer:
         exp.ref_logp = torch.zeros(N, W) if self.ref is not None else None
         if exp.old_logp is None and exp.ref_logp is None:
             return
-        for micro in self._micro_batches(exp, torch.arange(N)):
+        for micro in self._rank_micro_batches(exp, torch.arange(N)):
+            if micro is None:  # this rank's part is done; the others' forwards still need it (FSDP)
+                ids = exp.input_ids[:1, :2].to(self.device)
+                if exp.old_logp is not None:
+                    self._token_logp(self.model, ids)
+                if exp.ref_logp is not None:
+                    self._token_logp(self.ref, ids)
+                continue
             width = self._width(exp, micro)
             ids = exp.input_ids[micro, :width].to(self.device)
             if exp.old_logp is not None:
@@ -137,66 +160,63 @@ class PolicyTrainer:
         out.append(order[start:])
         return out
 
+    def _rank_micro_batches(self, exp: Experience, idx: torch.Tensor) -> list[torch.Tensor | None]:
+        """This rank's micro-batches of ``idx``, padded with ``None`` to the most any rank has:
+        FSDP's forward and backward are collectives, so every rank runs as many."""
+        if self.world_size == 1:
+            return list(self._micro_batches(exp, idx))
+        from rhymerl.training.parallel import balance_by_tokens
+
+        parts = balance_by_tokens(exp.response_mask[idx].sum(-1).tolist(), self.world_size)
+        per_rank = [self._micro_batches(exp, idx[torch.tensor(p, dtype=torch.long)]) if p else [] for p in parts]
+        most = max(len(m) for m in per_rank)
+        mine: list[torch.Tensor | None] = list(per_rank[self.rank])
+        return mine + [None] * (most - len(mine))
+
     @staticmethod
     def _width(exp: Experience, micro: torch.Tensor) -> int:
         return int(exp.response_mask[micro].nonzero()[:, 1].max()) + 2
 
     def update(self, exp: Experience, step: int, seed: int) -> dict[str, float]:
         """PPO epochs x mini-batches, each an optimizer step over accumulated micro-batches."""
+        sums, counts, lr = self.update_sums(exp, step, seed)
+        out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+        out["actor/lr"] = lr
+        return out
+
+    def update_sums(self, exp: Experience, step: int, seed: int) -> tuple[dict[str, float], dict[str, float], float]:
+        """:meth:`update`, its metrics as weighted sums and weights (a group of ranks adds them up).
+
+        Each metric is weighted by what it averages over (tokens, or the mini-batch), so its
+        value does not depend on how a mini-batch is cut into micro-batches or ranks."""
         assert exp.old_logp is not None or self.single_update
         self.model.train()
         N = exp.input_ids.shape[0]
-        algo, loss_fn = self.algo, POLICY_LOSSES[self.algo.policy_loss]
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        counts: dict[str, float] = {}
 
-        def acc(k: str, v: float) -> None:
-            sums[k] = sums.get(k, 0.0) + v
-            counts[k] = counts.get(k, 0) + 1
+        def acc(k: str, v: float, w: float = 1.0) -> None:
+            sums[k] = sums.get(k, 0.0) + v * w
+            counts[k] = counts.get(k, 0.0) + w
 
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(N, generator=g)
             for mb_idx in order.chunk(self.cfg.ppo_mini_batches):
-                norm_tokens = float(exp.response_mask[mb_idx].sum().clamp(min=1))
-                norm_seqs = float(len(mb_idx))
                 self.optimizer.zero_grad(set_to_none=True)
-                finite = True
-                for micro in self._micro_batches(exp, mb_idx):
-                    width = self._width(exp, micro)  # trim padding shared by the whole micro-batch
-                    ids = exp.input_ids[micro, :width].to(self.device)
-                    mask = exp.response_mask[micro][:, : width - 1].to(self.device)
-                    adv = exp.advantages[micro].to(self.device).unsqueeze(1)
-                    logp, ent = self._token_logp(self.model, ids, with_entropy=True)
-                    old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
-                    pg_loss, m = loss_fn(logp, old, adv, mask, clip_low=algo.clip_ratio_low,
-                                         clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
-                                         agg=algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
-                    ent_loss = aggregate(ent, mask, algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
-                    loss = pg_loss - algo.entropy_coef * ent_loss
-                    if self.ref is not None and algo.kl_coef > 0 and not algo.use_kl_in_reward:
-                        assert exp.ref_logp is not None
-                        ref = exp.ref_logp[micro][:, : width - 1].to(self.device)
-                        kl = aggregate(kl_penalty(logp, ref, algo.kl_type), mask, algo.loss_agg_mode,
-                                       norm_tokens=norm_tokens, norm_seqs=norm_seqs)
-                        loss = loss + algo.kl_coef * kl
-                        acc("actor/kl_loss", float(kl.detach()) * norm_tokens / max(1.0, float(mask.sum())))
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loss.backward()
-                    frac = float(mask.sum()) / norm_tokens
-                    acc("actor/pg_loss", float(pg_loss.detach()) / max(frac, 1e-9))
-                    acc("actor/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)))
-                    for k, v in m.items():
-                        acc(f"actor/{k}", float(v))
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip) \
-                    if finite else torch.tensor(float("nan"))
+                finite = self.accumulate_gradient(exp, mb_idx, acc)
+                if not finite:
+                    grad_norm = torch.tensor(float("nan"))
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the global norm, as a DTensor
+                        grad_norm = grad_norm.full_tensor()
                 if not finite or not torch.isfinite(grad_norm):
                     self.optimizer.zero_grad(set_to_none=True)
                     self.bad_steps += 1
-                    log.warning("step %d: non-finite loss or gradient; update skipped (%d so far)", step,
-                                self.bad_steps)
+                    if self.rank == 0:
+                        log.warning("step %d: non-finite loss or gradient; update skipped (%d so far)", step,
+                                    self.bad_steps)
                     acc("actor/skipped_updates", 1.0)
                     if self.bad_steps > self.cfg.max_bad_steps:
                         raise FloatingPointError(f"more than trainer.max_bad_steps={self.cfg.max_bad_steps} "
@@ -206,6 +226,140 @@ class PolicyTrainer:
                 self.scheduler.step()
                 acc("actor/grad_norm", float(grad_norm))
         self.model.eval()
-        out = {k: sums[k] / counts[k] for k in sums}
-        out["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return out
+        return sums, counts, self.scheduler.get_last_lr()[0]
+
+    def accumulate_gradient(self, exp: Experience, mb_idx: torch.Tensor,
+                            acc: Callable[[str, float, float], None] = lambda k, v, w: None) -> bool:
+        """Backward over one mini-batch's micro-batches (this rank's part of them); whether
+        every loss was finite, agreed by all ranks (so all of them skip, or none)."""
+        algo, loss_fn = self.algo, POLICY_LOSSES[self.algo.policy_loss]
+        # The global mini-batch's normalisers on every rank, and the reduction's average over
+        # ranks undone: the ranks' gradients add up to one process's.
+        norm_tokens = float(exp.response_mask[mb_idx].sum().clamp(min=1))
+        norm_seqs = float(len(mb_idx))
+        scale = float(self.world_size)
+        micros = self._rank_micro_batches(exp, mb_idx)
+        finite = True
+        for i, micro in enumerate(micros):
+            with self.grad_sync(i == len(micros) - 1):
+                if micro is None:  # padding for the collectives: a zero contribution
+                    logp, _ = self._token_logp(self.model, exp.input_ids[:1, :2].to(self.device))
+                    (logp.sum() * 0.0).backward()
+                    continue
+                width = self._width(exp, micro)  # trim padding shared by the whole micro-batch
+                ids = exp.input_ids[micro, :width].to(self.device)
+                mask = exp.response_mask[micro][:, : width - 1].to(self.device)
+                adv = exp.advantages[micro].to(self.device).unsqueeze(1)
+                logp, ent = self._token_logp(self.model, ids, with_entropy=True)
+                old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
+                pg_loss, m = loss_fn(logp, old, adv, mask, clip_low=algo.clip_ratio_low,
+                                     clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
+                                     agg=algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+                ent_loss = aggregate(ent, mask, algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+                loss = pg_loss - algo.entropy_coef * ent_loss
+                if self.ref is not None and algo.kl_coef > 0 and not algo.use_kl_in_reward:
+                    assert exp.ref_logp is not None
+                    ref = exp.ref_logp[micro][:, : width - 1].to(self.device)
+                    kl = aggregate(kl_penalty(logp, ref, algo.kl_type), mask, algo.loss_agg_mode,
+                                   norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+                    loss = loss + algo.kl_coef * kl
+                    ntok = float(mask.sum())
+                    acc("actor/kl_loss", float(kl.detach()) * norm_tokens / max(1.0, ntok), ntok)
+                if not torch.isfinite(loss):
+                    finite = False
+                    if self.world_size == 1:
+                        break
+                    loss = logp.sum() * 0.0  # the other ranks' collectives still need this backward
+                (loss * scale if scale != 1.0 else loss).backward()
+                ntok = float(mask.sum())
+                frac = ntok / norm_tokens
+                acc("actor/pg_loss", float(pg_loss.detach()) / max(frac, 1e-9), frac)
+                acc("actor/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)), ntok)
+                for k, v in m.items():  # token means over the micro-batch
+                    acc(f"actor/{k}", float(v), ntok)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = bool(flag.item() == 1.0)
+        return finite
+
+    # --- state in checkpoints -------------------------------------------------------------------
+    def save_state(self, folder: Path) -> None:
+        """Optimizer and scheduler state into a checkpoint folder being written.
+
+        One process writes ``optim.pt``; a group of ranks writes ``trainer/``, a
+        ``torch.distributed.checkpoint`` of the model and optimizer (each rank its shard,
+        keyed by parameter name, so another world size can read it back) and ``scheduler.pt``.
+        """
+        if self.world_size == 1:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       folder / "optim.pt")
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder / TRAINER_DIR)
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict()}, folder / TRAINER_DIR / "scheduler.pt")
+
+    def load_state(self, folder: Path) -> None:
+        """Restore what :meth:`save_state` wrote, whatever world size wrote it (resharded by
+        ``torch.distributed.checkpoint``). Everything is read before anything is applied; a
+        damaged file raises :class:`CheckpointError` naming it."""
+        from rhymerl.training.checkpoint import CheckpointError
+
+        sharded = folder / TRAINER_DIR
+        where = sharded if (sharded / ".metadata").exists() else folder / "optim.pt"
+        saved_opt = self.optimizer.state_dict()
+        try:
+            if where == sharded:
+                self._load_sharded(sharded)
+            else:
+                self._load_single(where)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any damage becomes one clear error
+            try:
+                self.optimizer.load_state_dict(saved_opt)
+            except Exception:  # noqa: BLE001 - the model state may be half applied: the caller falls back
+                pass
+            raise CheckpointError(f"{where}: unreadable or not of this run ({type(e).__name__}: {e})") from e
+
+    def _load_single(self, path: Path) -> None:
+        """``optim.pt`` (written by one process), into one process or into every rank."""
+        saved = torch.load(path, weights_only=True)
+        if self.world_size == 1:
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+            return
+        # A one-process checkpoint resumed on many ranks: rebuild its optimizer on a plain copy of
+        # the checkpoint's policy, read it back keyed by parameter name, and let every rank take its part.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        from rhymerl.model import load_pretrained
+
+        plain = load_pretrained(path.parent / "policy", dtype=torch.float32)
+        opt = torch.optim.AdamW(plain.parameters(), **{k: v for k, v in self.optimizer.defaults.items()
+                                                      if k in ("lr", "weight_decay", "betas", "eps")})
+        opt.load_state_dict(saved["optimizer"])
+        msd, osd = get_state_dict(plain, opt)
+        set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
+                       options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(saved["scheduler"])
+
+    def _load_sharded(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.utils._pytree import tree_map
+
+        sched = torch.load(folder / "scheduler.pt", weights_only=True)["scheduler"]
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        # Read into fresh tensors, applied only once all of it has been read.
+        fresh = tree_map(lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v,
+                         {"model": msd, "optim": osd})
+        dcp.load(fresh, checkpoint_id=folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
+        self.scheduler.load_state_dict(sched)
