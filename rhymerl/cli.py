@@ -1,6 +1,6 @@
 """``rhymerl``: the command line.
 
-    rhymerl train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR]
+    rhymerl train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR [trainer.world_size=N ...]]
     rhymerl sft   [CONFIG.yaml] [key=value ...]
     rhymerl bench {engine,spec,e2e} [--json FILE]
     rhymerl export RUN_DIR [--out DIR]
@@ -38,9 +38,11 @@ def cmd_sft(ns: argparse.Namespace) -> int:
 def cmd_train(ns: argparse.Namespace) -> int:
     from rhymerl.training.rl import train
 
-    if ns.resume:
-        return train(resume=ns.resume)
     cfg_path, overrides = _split(ns.args)
+    if ns.resume:
+        if cfg_path:
+            raise SystemExit(f"--resume takes the run folder's own config; drop {cfg_path}")
+        return train(resume=ns.resume, resume_overrides=overrides)
     return train(load_config(cfg_path, overrides), config_path=cfg_path)
 
 
@@ -66,6 +68,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from rhymerl.bench.pipe import run
 
         run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation)
+    elif ns.which == "train":
+        from rhymerl.bench.train import run
+
+        run(ns.json, quick=ns.quick, backend=ns.backend)
     else:
         raise SystemExit(f"unknown benchmark {ns.which!r}")
     return 0
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("args", nargs="*")
     s.set_defaults(fn=cmd_sft)
     b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run")
-    b.add_argument("which", choices=["engine", "spec", "e2e", "pipe"])
+    b.add_argument("which", choices=["engine", "spec", "e2e", "pipe", "train"])
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.add_argument("--no-speculation", action="store_true",
                    help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")
+    b.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="train: where the trainer ranks run (local processes or Ray actors)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")
     e.add_argument("run_dir")

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,8 @@ class TrainerGroup:
         t = time.perf_counter()
         res = self._all("publish")[0]
         if isinstance(res, dict):
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # Ray's arrays are read-only; they are only read
                 for name, p in self.model.named_parameters():
                     p.copy_(torch.from_numpy(res[name]))
             nbytes = sum(int(a.nbytes) for a in res.values())

@@ -63,7 +63,7 @@ class DDPStrategy(Strategy):
 
         # No buffers to broadcast (RoPE tables are computed alike on every rank), and without
         # the broadcast a forward is not a collective: ranks may run different numbers of them.
-        return DistributedDataParallel(model, broadcast_buffers=False)
+        return DistributedDataParallel(model, forward_sync_buffers=False)
 
     def grad_sync(self, model: nn.Module) -> Callable[[bool], ContextManager[None]]:
         return lambda last: contextlib.nullcontext() if last else model.no_sync()

@@ -610,21 +610,34 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
         print(f"plots: {p}")
 
 
-def load_run_config(run_dir: Path) -> RunConfig:
-    """A run folder's own config: missing or empty is an error, never the defaults."""
+# Where a run executes, not what it learns: these may change when a run is resumed (for
+# example on another number of trainer ranks: the sharded checkpoint is resharded).
+RESUME_OVERRIDES = ("trainer.world_size", "trainer.strategy", "trainer.collective_timeout_s",
+                    "trainer.rank_timeout_s", "rollout.workers", "rollout.backend", "rollout.worker_timeout_s",
+                    "reward.workers", "cluster.address", "model.device")
+
+
+def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> RunConfig:
+    """A run folder's own config: missing or empty is an error, never the defaults.
+    ``overrides`` may change only the placement keys of :data:`RESUME_OVERRIDES`."""
     path = run_dir / "config.yaml"
     if not path.exists():
         raise ConfigError(f"{path}: missing (not a run folder, or its config was deleted); cannot resume")
     if not path.read_text().strip():
         raise ConfigError(f"{path}: empty; a run's config is never empty, refusing to resume on the defaults")
-    return load_config(path)
+    for o in overrides or []:
+        key = o.split("=", 1)[0].strip()
+        if key not in RESUME_OVERRIDES:
+            raise ConfigError(f"{key}: cannot change when resuming {run_dir} (it would change what is learned); "
+                              f"keys that may change: {list(RESUME_OVERRIDES)}")
+    return load_config(path, overrides)
 
 
 def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_path: str | None = None,
-          progress: bool = True) -> int:
+          progress: bool = True, resume_overrides: list[str] | None = None) -> int:
     if resume:
         run_dir = Path(resume)
-        cfg = load_run_config(run_dir)
+        cfg = load_run_config(run_dir, resume_overrides)
     else:
         cfg = cfg or load_config()
         run_dir = run_dir_for(cfg)

@@ -360,6 +360,6 @@ class PolicyTrainer:
         # Read into fresh tensors, applied only once all of it has been read.
         fresh = tree_map(lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v,
                          {"model": msd, "optim": osd})
-        dcp.load(fresh, checkpoint_id=folder)
+        dcp.load(fresh, checkpoint_id=folder, no_dist=self.world_size == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
         self.scheduler.load_state_dict(sched)
