@@ -96,7 +96,10 @@ class TrainerGroup:
 
         init_ray(cfg.cluster.address, num_cpus=max(os.cpu_count() or 1, cfg.rollout.workers + self.world_size),
                  threads=specs[0].threads)
-        actor_cls = ray.remote(num_cpus=1)(TrainerRank)
+        # On CUDA each rank actor reserves a GPU, so Ray spreads the ranks over the nodes' GPUs
+        # (each then sees one device; the rollout workers share them, as in verl's colocation).
+        gpus = 1 if specs[0].device.startswith("cuda") else 0
+        actor_cls = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
         self.handles = [RayHandle(r, actor_cls.remote(s)) for r, s in enumerate(specs)]
         ray.get([h.actor.ping.remote() for h in self.handles])
         if cfg.cluster.address:
