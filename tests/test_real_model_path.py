@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -27,7 +28,9 @@ def _gsm8k_rows(n: int, offset: int) -> list[dict]:
     return rows
 
 
-def test_example_config_path_on_tiny_qwen2(tmp_path):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_example_config_path_on_tiny_qwen2(tmp_path, world_size):
+    """The example runs as it is, on one process or on 2 trainer ranks (FSDP; tied embeddings, biases)."""
     tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789+?#<>|: \n")
     tok.chat_template = CHAT
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -45,7 +48,7 @@ def test_example_config_path_on_tiny_qwen2(tmp_path):
                        "val_files": [str(tmp_path / "data" / "test.parquet")]}
     example["rollout"].update(n=2, max_tokens=8, max_model_len=96, max_num_seqs=16)
     example["trainer"].update(steps=2, batch_prompts=4, save_every=1, eval_every=2,
-                              output_dir=str(tmp_path / "run"))
+                              output_dir=str(tmp_path / "run"), world_size=world_size)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(example))
     from rhymerl.training.rl import train
 
