@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -360,6 +361,9 @@ class PolicyTrainer:
         # Read into fresh tensors, applied only once all of it has been read.
         fresh = tree_map(lambda v: torch.empty_like(v) if isinstance(v, torch.Tensor) else v,
                          {"model": msd, "optim": osd})
-        dcp.load(fresh, checkpoint_id=folder, no_dist=self.world_size == 1)
+        with warnings.catch_warnings():
+            # one process reading ranks' shards: torch says it assumes so; that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(fresh, checkpoint_id=folder, no_dist=self.world_size == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=fresh["model"], optim_state_dict=fresh["optim"])
         self.scheduler.load_state_dict(sched)
