@@ -148,6 +148,12 @@ class AlgorithmSection:
     max_resample_batches: int = 0
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # Async RL (trainer.async_staleness > 0): how the update corrects for responses drawn by an
+    # older policy. One of rhymerl.training.algos.OFFPOLICY_CORRECTIONS: "tis" (truncated
+    # importance sampling on the behaviour-to-proximal ratio, decoupled PPO as in AReaL and
+    # verl's async recipes) | "none". The proximal policy is the one the update starts from.
+    offpolicy_correction: str = "tis"
+    is_cap: float = 2.0  # the truncation of the importance weight
 
 
 @dataclass
@@ -177,6 +183,10 @@ class TrainerSection:
     # in the controller's process; N > 1: N ranks, local processes or Ray actors as
     # rollout.backend / cluster.address say, started by the run itself (no torchrun).
     world_size: int = 1
+    # Async RL: 0 is the synchronous on-policy loop. S >= 1: step t's responses are drawn by the
+    # policy of S updates before the one step t starts from (version max(0, t - 1 - S)), so the
+    # rollout of step t+1 runs while step t trains; which version is a function of the step.
+    async_staleness: int = 0
     strategy: str = "fsdp"  # one of rhymerl.training.parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
     collective_timeout_s: float = 600.0  # a collective waiting longer fails on its rank
     rank_timeout_s: float = 3600.0  # a rank silent this long in one call stops the run
@@ -303,6 +313,18 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {choices}")
     from rhymerl.training.parallel import STRATEGIES
 
+    from rhymerl.training.algos import OFFPOLICY_CORRECTIONS
+
+    if cfg.algorithm.offpolicy_correction not in OFFPOLICY_CORRECTIONS:
+        raise ConfigError(f"algorithm.offpolicy_correction: {cfg.algorithm.offpolicy_correction!r} is not one of "
+                          f"{sorted(OFFPOLICY_CORRECTIONS)}")
+    if cfg.trainer.async_staleness < 0:
+        raise ConfigError(f"trainer.async_staleness: must be >= 0 (0: synchronous), got {cfg.trainer.async_staleness}")
+    if cfg.trainer.async_staleness and cfg.algorithm.dynamic_sampling and cfg.algorithm.max_resample_batches:
+        raise ConfigError("algorithm.max_resample_batches: refilling a filtered batch needs the rollout workers "
+                          "mid-step, which async RL (trainer.async_staleness > 0) gives to the next batch; use 0")
+    if not cfg.algorithm.is_cap >= 1.0:
+        raise ConfigError(f"algorithm.is_cap: must be >= 1, got {cfg.algorithm.is_cap}")
     if cfg.trainer.strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy: {cfg.trainer.strategy!r} is not one of {sorted(STRATEGIES)}")
     if not cfg.data.train_files and cfg.data.task not in TASKS:

@@ -11,6 +11,7 @@ import torch
 
 ADV_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
+OFFPOLICY_CORRECTIONS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def register_adv_est(name: str):
@@ -25,6 +26,28 @@ def register_policy_loss(name: str):
         POLICY_LOSSES[name] = fn
         return fn
     return deco
+
+
+def register_offpolicy_correction(name: str):
+    def deco(fn):
+        OFFPOLICY_CORRECTIONS[name] = fn
+        return fn
+    return deco
+
+
+@register_offpolicy_correction("tis")
+def truncated_is_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> torch.Tensor:
+    """Per-token importance weights ``[B, L]`` of responses drawn by an older (behaviour)
+    policy: ``min(exp(prox - behav), cap)``, detached. Decoupled PPO: the clip is taken
+    around the proximal policy (the update's start), and this weight corrects for the policy
+    that actually sampled the tokens."""
+    return torch.exp((prox_logp - behav_logp).clamp(max=20.0)).clamp(max=cap).detach()
+
+
+@register_offpolicy_correction("none")
+def no_correction(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> torch.Tensor:
+    """Responses treated as drawn by the proximal policy (weights 1)."""
+    return torch.ones_like(prox_logp)
 
 
 def _group_stats(scores: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from rhymerl.data.loader import PromptLoader
 from rhymerl.data.splits import task_splits
 from rhymerl.device import machine_info, resolve_device, resolve_dtype
 from rhymerl.engine import RequestOutput, SamplingParams
+from rhymerl.engine.outputs import CompletionOutput
 from rhymerl.model import load_pretrained
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.tokenizer import encode_prompt, load_tokenizer, tokenizer_fingerprint
@@ -106,10 +108,76 @@ class ScoredRollout:
     reward_s: float
     carry: list[CarriedGroup]  # groups paused at the step's token budget (partial rollouts)
     offpolicy_tokens: int  # tokens of ``outs`` drawn under earlier steps' weights
+    version: int = 0  # the policy version (updates applied) that drew it
+    stats: dict[str, float] = field(default_factory=dict)  # engine and scheduler counters over this rollout
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (a checkpoint holds the batch an async run had in flight)."""
+        return {"keys": [r.key for r in self.rows], "outs": [_out_to_dict(o) for o in self.outs],
+                "scores": self.scores, "errors": self.errors, "timeouts": self.timeouts,
+                "first_error": self.first_error, "extras": self.extras, "predicted": self.predicted,
+                "gen_s": self.gen_s, "reward_s": self.reward_s, "carry": [g.to_dict() for g in self.carry],
+                "offpolicy_tokens": self.offpolicy_tokens, "version": self.version, "stats": self.stats}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], row_of: dict[str, PromptRow]) -> "ScoredRollout":
+        """Inverse of :meth:`to_dict`; malformed input raises KeyError, TypeError or ValueError."""
+        return cls([row_of[k] for k in d["keys"]], [_out_from_dict(o) for o in d["outs"]],
+                   [[float(x) for x in g] for g in d["scores"]], int(d["errors"]), int(d["timeouts"]),
+                   d["first_error"], {k: [float(x) for x in v] for k, v in d["extras"].items()},
+                   list(d["predicted"]), float(d["gen_s"]), float(d["reward_s"]),
+                   [CarriedGroup.from_dict(g) for g in d["carry"]], int(d["offpolicy_tokens"]),
+                   int(d["version"]), {k: float(v) for k, v in d["stats"].items()})
+
+
+def _out_to_dict(o: RequestOutput) -> dict[str, Any]:
+    return {"request_id": o.request_id, "prompt_token_ids": o.prompt_token_ids, "prompt_key": o.prompt_key,
+            "error": o.error, "outputs": [asdict(c) for c in o.outputs]}
+
+
+def _out_from_dict(d: dict[str, Any]) -> RequestOutput:
+    return RequestOutput(int(d["request_id"]), [int(x) for x in d["prompt_token_ids"]],
+                         [CompletionOutput(**c) for c in d["outputs"]], d["prompt_key"], d["error"])
+
+
+class _InFlight:
+    """A rollout running in a background thread (async RL) or done (restored from a checkpoint)."""
+
+    def __init__(self, step: int, result: ScoredRollout | None = None) -> None:
+        self.step, self.result = step, result
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, fn: Any, *args: Any) -> None:
+        def body() -> None:
+            try:
+                self.result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=body, name=f"rhymerl-rollout-{self.step}", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> ScoredRollout:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+_SPEC_COUNTERS = ("forwards", "decode_rows", "accepted", "drafted", "draft_s", "generated")
 
 
 class RLRun:
-    """All state of one training run; ``run()`` executes it from its current step."""
+    """All state of one training run; ``run()`` executes it from its current step.
+
+    Synchronous (``trainer.async_staleness=0``): each step generates with the weights it
+    trains. Async (S >= 1): step t's batch is drawn by policy version ``max(0, t-1-S)`` and
+    generated in a background thread while step t-1 trains; the workers get a version only
+    at a step boundary, so which version drew a batch never depends on timing.
+    """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: bool = True) -> None:
         self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
@@ -179,7 +247,13 @@ class RLRun:
                 self.trainer.close()
             raise
         self.metrics = MetricsLogger(run_dir)
+        self.staleness = cfg.trainer.async_staleness
+        self.version = 0  # updates applied to self.model
+        self.worker_version = 0  # the version the rollout workers hold
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # older versions still to be pushed (S >= 2)
+        self.inflight: _InFlight | None = None  # async: the next step's batch
         self.step = 0
+        self._snapshot()
         self.initial_accuracy: dict[str, float] | None = None
         self.carried: list[CarriedGroup] = []  # paused groups waiting for the next step
         self._row_of = {row.key: row for row in self.train_rows}
@@ -222,6 +296,13 @@ class RLRun:
             self.loader.load_state_dict(state["loader"])
             carried = [CarriedGroup.from_dict(d) for d in state.get("carried", [])]
             bad_steps = int(state.get("bad_steps", 0))
+            inflight = state.get("inflight")
+            inflight = None if inflight is None else _InFlight(
+                int(inflight["step"]), ScoredRollout.from_dict(inflight["rollout"], self._row_of))
+            snapshots = {}
+            if (ckpt / "snapshots.pt").exists():
+                snapshots = {int(v): named for v, named in
+                             torch.load(ckpt / "snapshots.pt", weights_only=True).items()}
             initial = state.get("initial_accuracy")
             if initial is not None and not (isinstance(initial, dict) and all(
                     isinstance(v, (int, float)) for v in initial.values())):
@@ -232,6 +313,9 @@ class RLRun:
         self.initial_accuracy = initial
         self.trainer.bad_steps = bad_steps
         self.carried = carried
+        self.inflight = inflight
+        self.version = self.step
+        self.snapshots = snapshots
         gate = state.get("gate")
         if self.history is not None:
             from rhymerl.drafting import HistoryStore
@@ -244,6 +328,7 @@ class RLRun:
 
     def _after_restore(self, gate: list) -> None:
         self.rollout.pool.update_weights(dict(self.model.named_parameters()))
+        self.worker_version = self.version
         self.rollout.pool.load_gate_states(gate)  # the workers' gates continue where they were
         self._truncate_logs()
 
@@ -257,7 +342,8 @@ class RLRun:
             rewrite_jsonl(traces, [t for t in read_jsonl(traces) if t.get("step", 0) <= last])
 
     # --- one step ------------------------------------------------------------------------------
-    def _rollout(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup] | None = None) -> ScoredRollout:
+    def _rollout(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup] | None = None,
+                 version: int | None = None) -> ScoredRollout:
         """Generate for ``rows`` (after the ``carried`` groups, continued from their pause) and
         score each prompt as soon as its samples are all back. Groups paused at this step's
         token budget come back in ``carry``, unscored."""
@@ -271,7 +357,9 @@ class RLRun:
         def params(prefix_len: int) -> SamplingParams:
             return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_tokens=step_budget(r.max_tokens, budget, prefix_len),
-                                  logprobs=budget > 0)  # a paused sample's prefix carries its log-probs
+                                  # a paused sample's prefix carries its log-probs; async RL
+                                  # corrects by the sampling policy's
+                                  logprobs=budget > 0 or self.staleness > 0)
 
         reqs = [RolloutRequest(encode_prompt(self.tokenizer, row.prompt), params(g.prefix_len()), g.seed, g.key,
                                samples=tuple(sorted(g.paused)), prefixes=dict(g.paused), record=False)
@@ -296,6 +384,9 @@ class RLRun:
             reward_s += time.perf_counter() - t
 
         predicted = self._predict(all_rows)  # before this step's lengths join the history
+        st, pipe = self.rollout.stats, self.rollout.pipe
+        s0 = {k: getattr(st, k) for k in _SPEC_COUNTERS}
+        p0 = vars(pipe).copy()
         t = time.perf_counter()
         self.rollout.rollout(reqs, step, on_done=on_done)  # on_done sees every request
         gen_s = time.perf_counter() - t - reward_s
@@ -322,7 +413,10 @@ class RLRun:
                              sum(scored[i].errors for i in done), sum(scored[i].timeouts for i in done),
                              next((scored[i].first_error for i in done if scored[i].first_error), None),
                              extras, [predicted[i] for i in done],
-                             gen_s=gen_s, reward_s=reward_s, carry=carry, offpolicy_tokens=offpolicy)
+                             gen_s=gen_s, reward_s=reward_s, carry=carry, offpolicy_tokens=offpolicy,
+                             version=self.version if version is None else version,
+                             stats={**{k: getattr(st, k) - s0[k] for k in _SPEC_COUNTERS},
+                                    **{f"pipe/{k}": v - p0[k] for k, v in vars(pipe).items()}})
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
         """HistoPipe's length prediction per prompt (None without history), for the trace."""
@@ -354,13 +448,59 @@ class RLRun:
             g.scores.append(res.score)
         return g
 
+    # --- versions of the policy (async RL) ---------------------------------------------------------
+    def _version_for(self, step: int) -> int:
+        """The policy version that draws step ``step``'s batch: a function of the step alone."""
+        return max(0, step - 1 - self.staleness)
+
+    def _snapshot(self) -> None:
+        """Keep the current weights while a later batch may still need them: the next step's
+        batch is drawn by version ``version - S`` (the run may also be resumed or extended
+        before that batch is drawn, so they travel in checkpoints)."""
+        if self.staleness:
+            self.snapshots[self.version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            self.snapshots = {v: w for v, w in self.snapshots.items() if v >= self.version - self.staleness}
+
+    def _push(self, version: int) -> None:
+        """The rollout workers to policy ``version`` (nothing to do if they hold it)."""
+        if self.worker_version == version:
+            return
+        named = self.snapshots[version] if version != self.version else dict(self.model.named_parameters())
+        self.rollout.pool.update_weights(named)
+        self.worker_version = version
+
+    def _collect(self, step: int) -> tuple[ScoredRollout, float]:
+        """Step ``step``'s batch, and the seconds spent waiting for it: the one launched during
+        the previous step (async), or generated now."""
+        t = time.perf_counter()
+        if self.inflight is not None:
+            if self.inflight.step != step:
+                raise RuntimeError(f"the batch in flight is step {self.inflight.step}'s, not step {step}'s")
+            out, self.inflight = self.inflight.wait(), None
+            return out, time.perf_counter() - t
+        rows = self.loader.next_batch()
+        self._push(self._version_for(step))
+        out = self._rollout(rows, step, self.carried, version=self._version_for(step))
+        return out, time.perf_counter() - t
+
+    def _launch(self, step: int) -> None:
+        """Start step ``step``'s rollout in the background (async RL)."""
+        rows = self.loader.next_batch()
+        version = self._version_for(step)
+        self._push(version)
+        self.inflight = _InFlight(step)
+        self.inflight.start(self._rollout, rows, step, self.carried, version)
+
+    def _settle(self) -> None:
+        """Let the batch in flight finish (its result is kept): before the workers are needed
+        for something else (evaluation) or the state is saved."""
+        if self.inflight is not None and self.inflight.thread is not None:
+            self.inflight.thread.join()
+
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.cfg.algorithm
         t_step = time.perf_counter()
-        st = self.rollout.stats
-        s0 = (st.forwards, st.decode_rows, st.accepted, st.drafted, st.draft_s, st.generated)
-        p0 = vars(self.rollout.pipe).copy()
-        first = self._rollout(self.loader.next_batch(), step, self.carried)
+        first, wait_s = self._collect(step)
         carry, offpolicy = list(first.carry), first.offpolicy_tokens
         rows, outs, scores, errors, extras = first.rows, first.outs, first.scores, first.errors, first.extras
         timeouts = first.timeouts
@@ -375,6 +515,7 @@ class RLRun:
         gen_s, reward_s = first.gen_s, first.reward_s
         kept_rows, kept_outs, kept_scores = rows, outs, scores
         filtered = 0
+        more_stats: list[dict[str, float]] = []
         if algo.dynamic_sampling:  # DAPO: drop groups that teach nothing, draw more (bounded)
             keep = [i for i, g in enumerate(scores) if max(g) != min(g)]
             filtered = len(rows) - len(keep)
@@ -384,7 +525,8 @@ class RLRun:
             for _ in range(algo.max_resample_batches):
                 if len(kept_rows) >= cfg.trainer.batch_prompts:
                     break
-                more = self._rollout(self.loader.next_batch(), step)
+                more = self._rollout(self.loader.next_batch(), step)  # synchronous only (config check)
+                more_stats.append(more.stats)
                 carry += more.carry
                 gen_s += more.gen_s
                 reward_s += more.reward_s
@@ -402,12 +544,15 @@ class RLRun:
         if self.history is not None:
             for row, g in zip(rows, scores):
                 self.history.set_rewards(row.key, step, g)
+        if self.staleness and step < cfg.trainer.steps:
+            self._launch(step + 1)  # generates while this batch trains
 
-        prompts, responses, flat_scores, groups, lengths = [], [], [], [], []
+        prompts, responses, flat_scores, groups, lengths, behaviour = [], [], [], [], [], []
         for gi, (o, g) in enumerate(zip(kept_outs, kept_scores)):
             for c, s in zip(o.outputs, g):
                 prompts.append(o.prompt_token_ids)
                 responses.append(c.token_ids)
+                behaviour.append(c.logprobs or [])
                 flat_scores.append(s)
                 groups.append(gi)
                 lengths.append(len(c.token_ids))
@@ -416,10 +561,13 @@ class RLRun:
                                               algo.overlong_penalty)
         metrics: dict[str, Any] = {}
         if responses:
-            exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0)
+            exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
+                                   behaviour_logprobs=behaviour if self.staleness else None)
             t = time.perf_counter()
             self.trainer.compute_logps(exp)
             old_s = time.perf_counter() - t
+            if self.staleness:
+                metrics.update(async_metrics(exp, step - 1 - first.version, algo.is_cap))
             if algo.use_kl_in_reward and exp.ref_logp is not None and exp.old_logp is not None:
                 # verl's in-reward KL: each response's reward pays kl_coef x its summed token KL
                 seq_kl = (kl_penalty(exp.old_logp, exp.ref_logp, algo.kl_type) * exp.response_mask).sum(-1)
@@ -435,20 +583,25 @@ class RLRun:
             old_s = upd_s = 0.0
             log.warning("step %d: every group had equal rewards; no update", step)
         t = time.perf_counter()
-        sync_bytes = self.sync_bytes
+        sync_bytes = 0
         if not isinstance(self.trainer, PolicyTrainer):
             sync_bytes += self.trainer.publish().bytes  # the ranks' new weights into this process's copy
-        self.rollout.pool.update_weights(dict(self.model.named_parameters()))
+        self.version = step
+        self._snapshot()
+        if not self.staleness:  # async: the workers get a version when a launch asks for it
+            self._push(self.version)
+            sync_bytes += self.sync_bytes
         sync_s = time.perf_counter() - t
         step_s = time.perf_counter() - t_step
 
         # A step whose every group paused at the token budget trains on nothing (partial rollouts).
         all_scores = [s for g in scores for s in g] or [0.0]
         all_lens = [len(c.token_ids) for o in outs for c in o.outputs] or [0]
-        rows_f = st.decode_rows - s0[1]
-        acc = st.accepted - s0[2]
-        drafted = st.drafted - s0[3]
-        gen_tokens = st.generated - s0[5]
+        counts = {k: first.stats.get(k, 0.0) + sum(m.get(k, 0.0) for m in more_stats) for k in first.stats}
+        rows_f = counts.get("decode_rows", 0.0)
+        acc = counts.get("accepted", 0.0)
+        drafted = counts.get("drafted", 0.0)
+        gen_tokens = counts.get("generated", 0.0)
         metrics.update({
             "critic/score/mean": float(np.mean(all_scores)),
             "critic/score/max": float(np.max(all_scores)),
@@ -474,14 +627,15 @@ class RLRun:
             "spec/accepted_per_forward": (rows_f + acc) / rows_f if rows_f else 1.0,
             "spec/forwards_per_token": rows_f / max(1, gen_tokens - (len(all_lens) if all_lens else 0)),
             "spec/acceptance_rate": acc / drafted if drafted else 0.0,
-            "spec/draft_ms": 1000 * (st.draft_s - s0[4]),
-            "spec/decode_forwards": st.forwards - s0[0],
+            "spec/draft_ms": 1000 * counts.get("draft_s", 0.0),
+            "spec/decode_forwards": counts.get("forwards", 0.0),
             "spec/decode_rows": rows_f,
             "spec/decode_tokens": rows_f + acc,
         })
         metrics.update({f"reward_extra/{k}": float(np.mean(v)) for k, v in extras.items()})
-        pipe = vars(self.rollout.pipe)
-        metrics.update({f"pipe/{k}": pipe[k] - p0[k] for k in pipe})
+        metrics.update({k: v for k, v in counts.items() if k.startswith("pipe/")})
+        if self.staleness:
+            metrics["timing_s/wait_rollout"] = wait_s  # the rollout time the step still waited for
         metrics["pipe/workers"] = self.rollout.num_workers
         true_mean = [float(np.mean([len(c.token_ids) for c in o.outputs])) for o in outs]
         known = [(p, t) for p, t in zip(first.predicted, true_mean) if p is not None]
@@ -515,8 +669,15 @@ class RLRun:
         finally:
             self.close()
 
+    def _save_trainer_state(self, folder: Path) -> None:
+        self.trainer.save_state(folder)
+        if self.snapshots:  # async: the older versions later batches are drawn by
+            torch.save({str(v): w for v, w in self.snapshots.items()}, folder / "snapshots.pt")
+
     def close(self) -> None:
         """Stop the rollout workers and the reward processes (idempotent)."""
+        if self.inflight is not None and self.inflight.thread is not None:
+            self.inflight.thread.join(timeout=600)  # never stop workers under a running rollout
         self.rollout.pool.close()
         self.rewards.close()
         if not isinstance(self.trainer, PolicyTrainer):
@@ -540,6 +701,8 @@ class RLRun:
         for step in bar:
             m = self.train_step(step)
             if self.val_rows and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
+                self._settle()  # the workers finish the batch in flight, then evaluate this step's policy
+                self._push(self.version)
                 m.update(self.evaluate())
                 last_val = m["val/accuracy"]
             self.metrics.log(step, m)
@@ -548,9 +711,14 @@ class RLRun:
                             acc_fwd=f"{m['spec/accepted_per_forward']:.2f}",
                             val=f"{last_val:.2f}")
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
-                save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.trainer.save_state,
+                # Async: the batch in flight is saved whole, so a resumed run trains on exactly it.
+                self._settle()
+                inflight = None if self.inflight is None else {"step": self.inflight.step,
+                                                               "rollout": self.inflight.wait().to_dict()}
+                save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self._save_trainer_state,
                                 {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
                                  "world_size": cfg.trainer.world_size, "strategy": cfg.trainer.strategy,
+                                 "inflight": inflight,
                                  "bad_steps": self.trainer.bad_steps,
                                  "carried": [g.to_dict() for g in self.carried],
                                  "gate": self.rollout.pool.gate_states()},
@@ -563,6 +731,18 @@ class RLRun:
         summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def async_metrics(exp: Experience, staleness: int, cap: float) -> dict[str, float]:
+    """How far the update's batch is off-policy: policy versions behind, and the importance
+    ratio proximal / behaviour over its response tokens (``clipped_frac``: above the cap)."""
+    assert exp.old_logp is not None and exp.behav_logp is not None
+    m = exp.response_mask.bool()
+    ratio = torch.exp((exp.old_logp - exp.behav_logp).clamp(max=20.0))[m]
+    if not ratio.numel():
+        ratio = torch.ones(1)
+    return {"async/staleness_mean": float(staleness), "async/is_ratio_mean": float(ratio.mean()),
+            "async/is_ratio_max": float(ratio.max()), "async/clipped_frac": float((ratio > cap).float().mean())}
 
 
 def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 
 from rhymerl.config import AlgorithmSection, TrainerSection
 from rhymerl.model import CausalLM
-from rhymerl.training.algos import POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
+from rhymerl.training.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +29,24 @@ class Experience:
     advantages: torch.Tensor  # [N]
     old_logp: torch.Tensor | None = None  # [N, T-1]
     ref_logp: torch.Tensor | None = None  # [N, T-1]
+    behav_logp: torch.Tensor | None = None  # [N, T-1] the sampling policy's, when older than the update's (async)
 
     @staticmethod
     def build(prompts: list[list[int]], responses: list[list[int]], advantages: list[float],
-              pad_id: int) -> "Experience":
+              pad_id: int, behaviour_logprobs: list[list[float]] | None = None) -> "Experience":
         T = max(len(p) + len(r) for p, r in zip(prompts, responses))
         ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
         mask = torch.zeros(len(prompts), T - 1)
+        behav = torch.zeros(len(prompts), T - 1) if behaviour_logprobs is not None else None
         for i, (p, r) in enumerate(zip(prompts, responses)):
             ids[i, : len(p) + len(r)] = torch.tensor(p + r)
             mask[i, len(p) - 1: len(p) + len(r) - 1] = 1.0
-        return Experience(ids, mask, torch.tensor(advantages, dtype=torch.float32))
+            if behav is not None:
+                lp = behaviour_logprobs[i]  # type: ignore[index]
+                if len(lp) != len(r):
+                    raise ValueError(f"response {i}: {len(lp)} behaviour log-probs for {len(r)} tokens")
+                behav[i, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(lp)
+        return Experience(ids, mask, torch.tensor(advantages, dtype=torch.float32), behav_logp=behav)
 
 
 def lr_lambda(trainer: TrainerSection, total_steps: int):
@@ -106,7 +113,8 @@ class PolicyTrainer:
     @property
     def needs_old_logp(self) -> bool:
         """Old log-probs are needed by several updates per rollout, or by a KL in the reward."""
-        return not self.single_update or (self.ref is not None and self.algo.use_kl_in_reward)
+        return not self.single_update or (self.ref is not None and self.algo.use_kl_in_reward) \
+            or self.cfg.async_staleness > 0  # the proximal policy of decoupled PPO
 
     @torch.no_grad()
     def compute_logps(self, exp: Experience) -> None:
@@ -253,6 +261,11 @@ class PolicyTrainer:
                 adv = exp.advantages[micro].to(self.device).unsqueeze(1)
                 logp, ent = self._token_logp(self.model, ids, with_entropy=True)
                 old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
+                if exp.behav_logp is not None:
+                    # Drawn by an older policy: the loss clips around ``old`` (the proximal policy)
+                    # and each token is weighted by the correction (the PPO loss is linear in it).
+                    behav = exp.behav_logp[micro][:, : width - 1].to(self.device)
+                    adv = adv * OFFPOLICY_CORRECTIONS[algo.offpolicy_correction](old, behav, cap=algo.is_cap)
                 pg_loss, m = loss_fn(logp, old, adv, mask, clip_low=algo.clip_ratio_low,
                                      clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
                                      agg=algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
