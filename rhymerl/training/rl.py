@@ -491,7 +491,7 @@ class RLRun:
         self.inflight = _InFlight(step)
         self.inflight.start(self._rollout, rows, step, self.carried, version)
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Let the batch in flight finish (its result is kept): before the workers are needed
         for something else (evaluation) or the state is saved."""
         if self.inflight is not None and self.inflight.thread is not None:
@@ -701,7 +701,7 @@ class RLRun:
         for step in bar:
             m = self.train_step(step)
             if self.val_rows and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
-                self._settle()  # the workers finish the batch in flight, then evaluate this step's policy
+                self.settle()  # the workers finish the batch in flight, then evaluate this step's policy
                 self._push(self.version)
                 m.update(self.evaluate())
                 last_val = m["val/accuracy"]
@@ -712,7 +712,7 @@ class RLRun:
                             val=f"{last_val:.2f}")
             if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
                 # Async: the batch in flight is saved whole, so a resumed run trains on exactly it.
-                self._settle()
+                self.settle()
                 inflight = None if self.inflight is None else {"step": self.inflight.step,
                                                                "rollout": self.inflight.wait().to_dict()}
                 save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self._save_trainer_state,
