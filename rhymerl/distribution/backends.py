@@ -407,10 +407,11 @@ class RayPool(WorkerPool):
 
 
 def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor], *,
-              address: str | None = None) -> WorkerPool:
-    """``local``: in this process for one worker, else spawned processes; ``ray``: Ray actors."""
+              address: str | None = None, in_process: bool = True) -> WorkerPool:
+    """``local``: in this process for one worker (``in_process``), else spawned processes;
+    ``ray``: Ray actors."""
     if backend == "local":
-        pool: WorkerPool = InprocPool(specs) if len(specs) == 1 else ProcessPool(specs, named)
+        pool: WorkerPool = InprocPool(specs) if len(specs) == 1 and in_process else ProcessPool(specs, named)
     elif backend == "ray":
         pool = RayPool(specs, address=address)
     else:

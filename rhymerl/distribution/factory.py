@@ -17,6 +17,15 @@ from rhymerl.scheduling import StepCost
 log = logging.getLogger(__name__)
 
 
+def in_process_worker(cfg: RunConfig) -> bool:
+    """One local worker runs in the controller's process, except under async RL: there it
+    generates while the controller trains, and a process of its own keeps its numerics apart
+    (two threads of one process share torch's thread pool, which changes float results with
+    timing) and its work off the controller's interpreter lock."""
+    r = cfg.rollout
+    return r.workers == 1 and r.backend == "local" and cfg.trainer.async_staleness == 0
+
+
 def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     r = cfg.rollout
     R = r.workers
@@ -29,8 +38,10 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
         devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(R)]
     else:
         devices = ["cpu" if device == "auto" else device] * R
-    in_process = R == 1 and r.backend == "local"
-    threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // R))
+    in_process = in_process_worker(cfg)
+    # Async RL trains while the workers generate: the trainer keeps a share of the cores.
+    sharers = R + (1 if cfg.trainer.async_staleness else 0)
+    threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // sharers))
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                        device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,
                        seed=cfg.seed + i, invariant=r.invariant) for i in range(R)]
@@ -60,7 +71,7 @@ def build_coordinator(cfg: RunConfig, model_path: str | Path, named: Mapping[str
     if r.workers > 1 and r.schedule == "histopipe":
         cost = profile_cost(model_path, cfg, specs[0].threads)
         log.info("worker cost curve: %s", cost.to_dict())
-    pool = make_pool(r.backend, specs, named, address=cfg.cluster.address)
+    pool = make_pool(r.backend, specs, named, address=cfg.cluster.address, in_process=in_process_worker(cfg))
     return RolloutCoordinator(pool, policy=r.schedule, history=history, cost=cost, max_num_seqs=r.max_num_seqs,
                               length_stat=r.length_stat, tail_fraction=r.tail_fraction,
                               worker_timeout_s=r.worker_timeout_s, complementary=r.complementary,
