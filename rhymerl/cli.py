@@ -72,6 +72,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from rhymerl.bench.train import run
 
         run(ns.json, quick=ns.quick, backend=ns.backend)
+    elif ns.which == "project":
+        from rhymerl.bench.project import run
+
+        run(ns.json, quick=ns.quick)
     else:
         raise SystemExit(f"unknown benchmark {ns.which!r}")
     return 0
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("args", nargs="*")
     s.set_defaults(fn=cmd_sft)
     b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run")
-    b.add_argument("which", choices=["engine", "spec", "e2e", "pipe", "train"])
+    b.add_argument("which", choices=["engine", "spec", "e2e", "pipe", "train", "project"])
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")

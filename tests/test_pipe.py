@@ -298,3 +298,22 @@ def test_lost_workers_are_replaced_without_changing_tokens(model_dir, sig, backe
             import ray
 
             ray.shutdown()  # its raylet's reports of the killed worker would outlive the test run
+
+
+def test_step_model_projection_rows():
+    """The whole-step model: speculation shortens rollout, HistoPipe lowers the rollout bubble,
+    async overlaps rollout with training; a small cluster keeps the test fast."""
+    from dataclasses import replace
+
+    from rhymerl.scheduling.step_model import SCALES, Lengths, project, step_time
+
+    small = replace(SCALES["8b_32gpu"], gpus=8, prompts=32, n=8, lengths=Lengths(median=1500, max_len=4096))
+    rows = {r["variant"]: r for r in project(small)}
+    assert rows["baseline"]["speedup"] == 1.0
+    assert rows["+histospec"]["rollout_s"] < rows["baseline"]["rollout_s"]
+    assert rows["+histopipe"]["bubble_fraction"] < rows["baseline"]["bubble_fraction"]
+    assert rows["+async"]["step_s"] < rows["baseline"]["rollout_s"] + rows["baseline"]["train_s"]
+    for r in rows.values():
+        assert 0 <= r["bubble_fraction"] < 1 and 0 < r["rollout_share"] <= 1
+    # speculation that accepts nothing more than it drafts only costs
+    assert step_time(small, histospec=True, accept=1.01).rollout_s > rows["baseline"]["rollout_s"]

@@ -1,0 +1,225 @@
+"""A whole RL step on a GPU cluster, modelled: rollout (HistoPipe's plans replayed by the
+discrete-event simulator, speculation as fewer and costlier verification steps), old
+log-probs, the update, weight sync; synchronous (colocated) or async (rollout and training
+on separate GPUs, overlapped).
+
+This is a model, not a measurement: every constant is a named assumption (``docs/projection.md``
+lists them beside the public figures they come from), and ``rhymerl bench project`` prints
+how the projected speed-ups move when the least certain of them do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from rhymerl.scheduling.cost import StepCost
+from rhymerl.scheduling.length_predictor import predicted_samples
+from rhymerl.scheduling.planner import make_plan
+from rhymerl.scheduling.simulator import simulate
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense bf16, per second
+    hbm_bytes_s: float  # memory bandwidth, per second
+    mem_eff: float = 0.85  # achieved fraction of the bandwidth in decode
+    compute_eff: float = 0.5  # achieved fraction of the peak in decode and prefill matmuls
+    train_mfu: float = 0.35  # model FLOPs utilisation of the update
+
+
+H100 = GPU("H100 SXM", 989e12, 3.35e12)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    total_params: float
+    active_params: float  # per token (a mixture of experts activates a few experts)
+    kv_bytes_per_token: float  # bf16 K and V of every layer
+
+
+DENSE_8B = ModelShape("dense 8B (Llama-3.1-8B shape)", 8.03e9, 8.03e9, 32 * 8 * 128 * 2 * 2)
+MOE_235B = ModelShape("MoE 235B-A22B (Qwen3-235B-A22B shape)", 235e9, 22e9, 94 * 4 * 128 * 2 * 2)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Reasoning-RL response lengths: each prompt a typical length (lognormal across prompts,
+    ``sigma`` the tail), its samples scattered around it (``spread``), the next epoch's typical
+    length drifted a little (``drift``); clipped at the context limit."""
+
+    median: float = 3000.0
+    sigma: float = 0.8
+    spread: float = 0.35
+    drift: float = 0.15
+    max_len: int = 8192
+    prompt_len: int = 512
+
+    def draw(self, prompts: int, n: int, rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]]]:
+        """(previous epoch's lengths, this epoch's) per prompt and sample."""
+        typical = rng.lognormal(np.log(self.median), self.sigma, size=prompts)
+
+        def epoch(t: np.ndarray) -> list[list[int]]:
+            x = rng.lognormal(np.log(t)[:, None], self.spread, size=(prompts, n))
+            return np.clip(x, 16, self.max_len).astype(int).tolist()
+
+        return epoch(typical), epoch(typical * rng.lognormal(0.0, self.drift, size=prompts))
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A cluster and its RL step."""
+
+    name: str
+    model: ModelShape
+    gpus: int
+    engine_gpus: int  # GPUs per rollout engine (tensor / expert parallel)
+    prompts: int
+    n: int
+    lengths: Lengths
+    gpu: GPU = H100
+    max_num_seqs: int = 256
+    sync_bytes_s: float = 50e9  # weights from the trainer to the engines, effective
+    accept_histospec: float = 2.5  # tokens per verification forward, drafts from history
+    draft_tokens: int = 4  # drafted tokens scored per row in a verification forward
+
+
+SCALES = {
+    "8b_32gpu": Scale("dense 8B, 32 H100", DENSE_8B, 32, 1, 256, 16, Lengths(max_len=8192)),
+    "235b_256gpu": Scale("MoE 235B-A22B, 256 H100", MOE_235B, 256, 16, 256, 16,
+                         Lengths(median=6000, max_len=32768, prompt_len=1024)),
+}
+
+
+def engine_cost(scale: Scale, engine_gpus: int, *, scored: float = 1.0, avg_context: float = 0.0) -> StepCost:
+    """One engine's decode (or verification) step time against its batch size: the weights read
+    once per step (for a mixture of experts at these batches, nearly every expert is hit), plus
+    per sequence its KV cache and its ``scored`` tokens' matmuls."""
+    g, m = scale.gpu, scale.model
+    bw = engine_gpus * g.hbm_bytes_s * g.mem_eff
+    flops = engine_gpus * g.peak_flops * g.compute_eff
+    base = 2.0 * m.total_params / bw
+    per_seq = avg_context * m.kv_bytes_per_token / bw + scored * 2.0 * m.active_params / flops
+    batches = (1, 64, 128, 256)
+    prefill = 2.0 * m.active_params / flops
+    return StepCost(batches, tuple(base + per_seq * b for b in batches), prefill,
+                    f"{m.name} on {engine_gpus} {g.name} (modelled)")
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    rollout_s: float
+    train_s: float  # old log-probs + update
+    sync_s: float
+    bubble_fraction: float  # idle GPU-time over the step's GPU-time
+
+    @property
+    def rollout_share(self) -> float:
+        return self.rollout_s / self.step_s
+
+
+def rollout_time(scale: Scale, true: list[list[int]], prev: list[list[int]], engines: int, *,
+                 histopipe: bool, accept: float, step: int = 1) -> tuple[float, float]:
+    """(makespan, bubble fraction) of one rollout on ``engines`` engines. Speculation with
+    ``accept`` tokens per verification forward turns a response of L tokens into ceil(L/accept)
+    forwards, each scoring ``1 + draft_tokens`` tokens per row."""
+    L = scale.lengths
+    mean_len = float(np.mean([x for g in true for x in g]))
+    avg_context = L.prompt_len + mean_len / 2
+    spec = accept > 1.0
+    cost = engine_cost(scale, scale.engine_gpus, scored=1.0 + (scale.draft_tokens if spec else 0.0),
+                       avg_context=avg_context)
+    steps = [[int(np.ceil(x / accept)) for x in g] for g in true]
+    if histopipe:
+        guess = predicted_samples(prev, [len(g) for g in prev])
+        plan = make_plan("histopipe", [[x / accept for x in g] for g in guess], engines, cost=cost,
+                         max_num_seqs=scale.max_num_seqs, step=step, prompt_len=float(L.prompt_len))
+    else:
+        plan = make_plan("even", steps, engines, cost=cost, max_num_seqs=scale.max_num_seqs)
+    r = simulate(plan, steps, L.prompt_len, cost, max_num_seqs=scale.max_num_seqs)
+    return r.makespan_s, r.bubble_fraction
+
+
+def train_time(scale: Scale, tokens: float, gpus: int) -> float:
+    """Old log-probs (a forward) and the update (forward and backward): 8 x active params FLOPs per token."""
+    g = scale.gpu
+    return 8.0 * scale.model.active_params * tokens / (gpus * g.peak_flops * g.train_mfu)
+
+
+def step_time(scale: Scale, *, histospec: bool = False, histopipe: bool = False, async_rl: bool = False,
+              accept: float | None = None, seed: int = 0) -> StepTime:
+    """One step of ``scale`` with the given techniques on."""
+    rng = np.random.default_rng(seed)
+    prev, true = scale.lengths.draw(scale.prompts, scale.n, rng)
+    a = (accept if accept is not None else scale.accept_histospec) if histospec else 1.0
+    tokens = float(sum(sum(g) for g in true) + scale.prompts * scale.n * scale.lengths.prompt_len)
+    sync = 2.0 * scale.model.total_params / scale.sync_bytes_s
+    engines_all = scale.gpus // scale.engine_gpus
+    if not async_rl:  # colocated: all GPUs generate, then all train
+        r_s, r_bubble = rollout_time(scale, true, prev, engines_all, histopipe=histopipe, accept=a)
+        t_s = train_time(scale, tokens, scale.gpus)
+        step = r_s + t_s + sync
+        return StepTime(step, r_s, t_s, sync, (r_bubble * r_s + sync) / step)
+    cache: dict[int, StepTime] = {}
+
+    def split(engines: int) -> StepTime:
+        """Rollout on ``engines`` engines' GPUs, the update on the rest, overlapped."""
+        if engines not in cache:
+            g_r = engines * scale.engine_gpus
+            g_t = scale.gpus - g_r
+            r_s, r_bubble = rollout_time(scale, true, prev, engines, histopipe=histopipe, accept=a)
+            t_s = train_time(scale, tokens, g_t)
+            step = max(r_s, t_s) + sync
+            idle = g_r * (step - r_s * (1 - r_bubble)) + g_t * (step - t_s)
+            cache[engines] = StepTime(step, r_s, t_s, sync, idle / (scale.gpus * step))
+        return cache[engines]
+
+    # More rollout engines: a shorter rollout and a longer update; the best split is where they
+    # cross (bisection on the sign of their difference), or next to it.
+    lo, hi = 1, engines_all - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        t = split(mid)
+        if t.rollout_s > t.train_s:
+            lo = mid
+        else:
+            hi = mid
+    return min((split(e) for e in {lo, hi}), key=lambda t: t.step_s)
+
+
+VARIANTS = {
+    "baseline": {},
+    "+histospec": {"histospec": True},
+    "+histopipe": {"histopipe": True},
+    "+async": {"async_rl": True},
+    "all": {"histospec": True, "histopipe": True, "async_rl": True},
+}
+
+
+def project(scale: Scale, seed: int = 0) -> list[dict]:
+    """Rows of the projection for one scale: every variant's step, against the baseline's."""
+    times = {name: step_time(scale, seed=seed, **kw) for name, kw in VARIANTS.items()}
+    base = times["baseline"].step_s
+    return [{"scale": scale.name, "variant": name, "step_s": t.step_s, "speedup": base / t.step_s,
+             "rollout_s": t.rollout_s, "train_s": t.train_s, "sync_s": t.sync_s,
+             "rollout_share": t.rollout_share, "bubble_fraction": t.bubble_fraction}
+            for name, t in times.items()]
+
+
+def sensitivity(scale: Scale, accepts: tuple[float, ...], sigmas: tuple[float, ...],
+                seed: int = 0) -> list[dict]:
+    """The speed-up of everything combined over the baseline as the acceptance length and the
+    length distribution's tail (sigma across prompts) move."""
+    rows = []
+    for sigma in sigmas:
+        s = replace(scale, lengths=replace(scale.lengths, sigma=sigma))
+        base = step_time(s, seed=seed).step_s
+        for a in accepts:
+            t = step_time(s, histospec=True, histopipe=True, async_rl=True, accept=a, seed=seed)
+            spec_only = step_time(s, histospec=True, accept=a, seed=seed)
+            rows.append({"scale": scale.name, "sigma": sigma, "accept": a, "speedup_all": base / t.step_s,
+                         "speedup_histospec": base / spec_only.step_s})
+    return rows
