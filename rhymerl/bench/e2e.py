@@ -29,6 +29,129 @@ from rhymerl.training.metrics import read_metrics
 SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 
 
+def _probe_generate(model: str, seconds: float, sequences: int, conn: Any) -> None:
+    """A one-thread engine generating a batch of the runs' shape (``sequences`` rows of about a
+    response's length) again and again for ``seconds``; sends the time of each round (the async
+    overlap probe)."""
+    import time as _t
+
+    import torch
+
+    from rhymerl.engine import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(model, max_num_seqs=sequences, max_model_len=96)
+    v = llm.model.config.vocab_size
+    prompts = [[3 + (i + j) % (v - 3) for j in range(10)] for i in range(sequences)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate(prompts[:4], sp, use_tqdm=False)
+    conn.send("ready")
+    conn.recv()
+    times, end = [], _t.perf_counter() + seconds
+    while _t.perf_counter() < end:
+        t = _t.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        times.append(_t.perf_counter() - t)
+    conn.send(times)
+
+
+def calibrate(model: str, cfg: Any) -> Any:
+    """This machine's costs for the whole-step model, measured apart from the runs it predicts:
+    the engine's step curve (all cores; one thread), the trainer's seconds per token on a
+    synthetic batch of the runs' shape, and how much a one-thread worker process generating
+    beside the trainer slows each of them (two short probes)."""
+    import multiprocessing as mp
+    import os
+
+    import torch
+
+    from rhymerl.bench.train import synthetic_batch
+    from rhymerl.model import load_pretrained
+    from rhymerl.scheduling import StepCost
+    from rhymerl.scheduling.step_model import LocalCosts
+    from rhymerl.training.trainer import PolicyTrainer
+
+    batches = (1, 8, 32, 64, 128, 256)
+    engine = StepCost.profile(model, batches=batches, name="engine, this process")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine_1t = StepCost.profile(model, batches=batches, name="engine, one thread")
+    finally:
+        torch.set_num_threads(before)
+    policy = load_pretrained(model)
+    vocab = policy.config.vocab_size
+    r = cfg.rollout
+    trainer = PolicyTrainer(policy, cfg.trainer, cfg.algorithm, torch.device("cpu"),
+                            total_optimizer_steps=100, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    exp = synthetic_batch(vocab, sequences=cfg.trainer.batch_prompts * r.n, seed=1)
+    tokens = float((exp.input_ids != 0).sum())
+
+    def train_once() -> float:
+        t = time.perf_counter()
+        trainer.compute_logps(exp)
+        trainer.update(exp, step=1, seed=0)
+        return time.perf_counter() - t
+
+    train_once()
+    alone_t = min(train_once() for _ in range(3))
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    rows = cfg.trainer.batch_prompts * r.n
+    proc = ctx.Process(target=_probe_generate, args=(model, 1.5, rows, child), daemon=True)
+    proc.start()
+    parent.recv()
+    parent.send("go")
+    gen_alone = parent.recv()
+    proc.join()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_probe_generate, args=(model, 3.0, rows, child), daemon=True)
+    proc.start()
+    parent.recv()
+    parent.send("go")
+    t0 = time.perf_counter()
+    together_t = []
+    while time.perf_counter() - t0 < 2.5:
+        together_t.append(train_once())
+    gen_together = parent.recv()
+    proc.join()
+    return LocalCosts(engine, engine_1t, alone_t / tokens, os.cpu_count() or 1,
+                      overlap_train=float(np.median(together_t)) / alone_t,
+                      overlap_rollout=float(np.median(gen_together)) / float(np.median(gen_alone)))
+
+
+def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int, policy: str, in_process: bool,
+                    async_rl: bool, max_num_seqs: int) -> list[float]:
+    """The whole-step model's time of every logged step of one variant, from the variant's own
+    length and forward traces (what speculation did), with ``costs`` measured before the runs."""
+    import json
+
+    from rhymerl.scheduling.step_model import local_rollout_s, overlapped_s
+
+    traces = {t["step"]: t for t in map(json.loads, (run_dir / "traces.jsonl").read_text().splitlines())}
+    out = []
+    for r in rows:
+        t = traces[r["step"]]
+        rows_f = r["spec/decode_rows"]
+        accepted = r["spec/decode_tokens"] - rows_f
+        drafted = accepted / r["spec/acceptance_rate"] if r.get("spec/acceptance_rate") else 0.0
+        scored = 1.0 + drafted / max(1.0, rows_f)
+        forwards = [[max(1, f) for f in fs] for fs in t["forwards"]]
+        rollout = local_rollout_s(costs, forwards, t["prompt_lens"], workers=workers, policy=policy,
+                                  predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
+                                  in_process=in_process)
+        tokens = sum(p * len(ls) + sum(ls) for p, ls in zip(t["prompt_lens"], t["lengths"]))
+        train = costs.train_s_per_token * tokens
+        if async_rl:  # this step's update beside the next batch's rollout (one thread, its own process)
+            alone = local_rollout_s(costs, forwards, t["prompt_lens"], workers=1, policy="even",
+                                    predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
+                                    in_process=False)
+            out.append(overlapped_s(alone, train, costs.overlap_rollout, costs.overlap_train))
+        else:
+            out.append(rollout + train)
+    return out
+
+
 def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         extra: list[str] | None = None) -> dict[str, Any]:
     from rhymerl.config import load_config
@@ -42,6 +165,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
               f"trainer.batch_prompts={batch_prompts}",
               "rollout.n=8", *(extra or [])]
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
+    print("calibrating the whole-step model (engine curves, trainer cost per token, overlap probes)", flush=True)
+    costs = calibrate(base, load_config(None, common))
+    print(f"  trainer {1e6 * costs.train_s_per_token:.1f} us/token; beside a generating worker the trainer is "
+          f"x{costs.overlap_train:.2f} slower, the worker x{costs.overlap_rollout:.2f}", flush=True)
     variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
                 # two local worker processes (one core each): scheduling off (even split) and on
                 "histospec+even2": ["rollout.speculative.method=history", "rollout.workers=2",
@@ -83,6 +210,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     same_as = {k: "async" if k.startswith("async") else "baseline" for k in learn}
     same = {k: learn[k] == learn[same_as[k]] for k in learn}
     rows_out = []
+    shape = {name: dict(workers=2 if "2" in name or "histopipe" in name else 1,
+                        policy="histopipe" if "histopipe" in name else "even",
+                        in_process=not (name.startswith("async") or "2" in name or "histopipe" in name),
+                        async_rl=name.startswith("async")) for name in results}
     # the first epoch's prompts have no history yet: the "after epoch 1" columns leave it out
     skip = min(num_train // batch_prompts, steps - 1)
     for name, rows in results.items():
@@ -90,7 +221,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
             return float(np.mean([r[k] for r in rs]))
 
         late = rows[skip:]
-        rows_out.append({"variant": name, "step_s": mean("timing_s/step"), "gen_s": mean("timing_s/gen"),
+        sim = simulated_steps(costs, tmp / name, rows, max_num_seqs=runs[name].cfg.rollout.max_num_seqs,
+                              **shape[name])
+        rows_out.append({"variant": name, "step_s": mean("timing_s/step"), "simulated_step_s": float(np.mean(sim)),
+                         "sim_error": float(np.mean(sim)) / mean("timing_s/step") - 1, "gen_s": mean("timing_s/gen"),
                          "update_s": mean("timing_s/update") + mean("timing_s/old_logp"),
                          "step_s_after_epoch1": mean("timing_s/step", late),
                          "gen_s_after_epoch1": mean("timing_s/gen", late),
@@ -101,7 +235,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     for r in rows_out:
         r["speedup"] = base_row["step_s"] / r["step_s"]
         r["gen_speedup"] = base_row["gen_s"] / r["gen_s"]
-    print_table(rows_out, ["variant", "step_s", "gen_s", "update_s", "gen_s_after_epoch1", "accepted_per_forward",
+    print_table(rows_out, ["variant", "step_s", "simulated_step_s", "sim_error", "gen_s", "update_s",
+                           "gen_s_after_epoch1", "accepted_per_forward",
                            "speedup", "gen_speedup", "final_score", "same_learning_metrics"])
     _plot(results, Path(json_path).with_suffix(".png") if json_path else tmp / "e2e.png")
     try:  # TRL side by side, when the optional `trl` extra is installed

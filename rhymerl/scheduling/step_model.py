@@ -223,3 +223,54 @@ def sensitivity(scale: Scale, accepts: tuple[float, ...], sigmas: tuple[float, .
             rows.append({"scale": scale.name, "sigma": sigma, "accept": a, "speedup_all": base / t.step_s,
                          "speedup_histospec": base / spec_only.step_s})
     return rows
+
+
+# --- this machine: the model checked against measured steps (``rhymerl bench e2e``) ----------------
+@dataclass(frozen=True)
+class LocalCosts:
+    """This machine's costs, measured apart from the runs they predict (``bench e2e`` calibrates
+    them first): the engine's step curve in this process (all cores) and in a one-thread worker
+    process, the trainer's seconds per token (old log-probs and update), and how much each
+    side slows while the other runs beside it (async RL on shared cores)."""
+
+    engine: StepCost
+    engine_1t: StepCost
+    train_s_per_token: float
+    cores: int
+    overlap_train: float = 1.0
+    overlap_rollout: float = 1.0
+
+
+def scored_cost(cost: StepCost, scored_per_row: float) -> StepCost:
+    """A verification step's curve: on a CPU a forward's time follows the tokens it scores, so
+    a batch of B rows scoring ``s`` tokens each costs what B x s rows of one token cost."""
+    return StepCost(cost.batch, tuple(cost.step_s(max(1, int(round(b * scored_per_row)))) for b in cost.batch),
+                    cost.prefill_per_token_s, f"{cost.name}, {scored_per_row:.2f} scored per row")
+
+
+def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
+                    policy: str, predicted: list[float | None], scored_per_row: float, max_num_seqs: int,
+                    in_process: bool) -> float:
+    """One rollout's seconds: each sample takes as many engine steps as it took forwards (its
+    recorded trace), each step costing what its batch scores."""
+    if in_process:
+        cost, cores, threads = scored_cost(costs.engine, scored_per_row), None, 1
+    else:
+        cost, cores, threads = scored_cost(costs.engine_1t, scored_per_row), float(costs.cores), 1
+    known = [p for p in predicted if p is not None]
+    fill = float(np.median(known)) if known else 1.0
+    guess = [[(p if p is not None else fill)] * len(f) for p, f in zip(predicted, forwards)]
+    plan = make_plan(policy if workers > 1 else "even", forwards if policy == "oracle" else guess, workers,
+                     cost=cost, max_num_seqs=max_num_seqs, prompt_len=float(np.mean(prompt_lens)))
+    return simulate(plan, forwards, prompt_lens, cost, max_num_seqs=max_num_seqs, cores=cores,
+                    threads=threads).makespan_s
+
+
+def overlapped_s(rollout_alone: float, train_alone: float, slow_rollout: float, slow_train: float) -> float:
+    """Two jobs side by side, each ``slow_*`` times slower while both run, then the one left at
+    its own speed: the time until both are done."""
+    r_rate, t_rate = 1.0 / slow_rollout, 1.0 / slow_train
+    first = min(rollout_alone / r_rate, train_alone / t_rate)  # both running until one ends
+    left_r = max(0.0, rollout_alone - first * r_rate)
+    left_t = max(0.0, train_alone - first * t_rate)
+    return first + left_r + left_t
