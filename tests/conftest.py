@@ -69,3 +69,33 @@ def rl_overrides(base: str, run_dir: Path) -> list[str]:
 
 def learning_metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(SPEED_KEYS)} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def kill_and_resume(run_dir: Path, overrides: list[str], *, after_step: int = 2, last_step: int | None = None) -> None:
+    """`rhymerl train` with ``overrides``, SIGKILLed (with every process it started) once the
+    checkpoint of ``after_step`` exists, then `--resume` to the end. ``last_step``: assert the
+    kill landed before that step's checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rhymerl.training.checkpoint import latest_checkpoint
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rhymerl.cli", "train", *overrides], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        ck = latest_checkpoint(run_dir)
+        if ck is not None and ck.name >= f"step_{after_step:06d}":
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if last_step is not None:
+        assert latest_checkpoint(run_dir).name < f"step_{last_step:06d}"
+    subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run_dir)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

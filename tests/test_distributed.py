@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.parallel import balance_by_tokens
 
-from tests.conftest import learning_metrics, rl_overrides
+from tests.conftest import kill_and_resume, learning_metrics, rl_overrides
 
 # A nonzero gradient on the tiny task (its base model scores 0, so advantages are 0 alone).
 LEARN = ["algorithm.entropy_coef=0.05"]
@@ -74,23 +71,8 @@ def test_two_rank_run_is_one_process_run_and_resumes_exactly_and_reshards(base_m
     assert any(r.get("actor/grad_norm", 0) > 0 for r in ref)
     assert (latest_checkpoint(tmp_path / "ref") / "trainer" / ".metadata").exists()
 
-    run = tmp_path / "killed"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rhymerl.cli", "train", *rl_overrides(base_model, run), *four,
-                             *two], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        ck = latest_checkpoint(run)
-        if ck is not None and ck.name >= "step_000002":
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # the controller and its ranks
-    proc.wait()
-    assert latest_checkpoint(run).name < "step_000004"
-    subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    run = tmp_path / "killed"  # kill -9 of the controller and its ranks after step 2, then --resume
+    kill_and_resume(run, rl_overrides(base_model, run) + four + two, after_step=2, last_step=4)
     assert learning_metrics(run) == ref
 
     # Reshard: the first two steps on 2 ranks, the rest on 1 process from the sharded checkpoint.

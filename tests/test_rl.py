@@ -2,11 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -15,7 +10,7 @@ from rhymerl.config import load_config
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 
-from tests.conftest import TINY, learning_metrics, rl_overrides
+from tests.conftest import TINY, kill_and_resume, learning_metrics, rl_overrides
 
 
 def test_train_runs_and_writes_run_folder(base_model, tmp_path):
@@ -106,21 +101,7 @@ def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     six = ["trainer.steps=6"]  # long enough that the kill lands mid-run, after step 2's checkpoint
     train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + six), progress=False)
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "rhymerl.cli", "train", *rl_overrides(base_model, run), *six]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        ck = latest_checkpoint(run)
-        if ck is not None and ck.name >= "step_000002":
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert latest_checkpoint(run).name < "step_000006"
-    subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run)], check=True,
-                   stdout=subprocess.DEVNULL, env=env)
+    kill_and_resume(run, rl_overrides(base_model, run) + six, after_step=2, last_step=6)
     assert learning_metrics(run) == learning_metrics(tmp_path / "ref")
 
 
@@ -272,19 +253,5 @@ def test_async_rl_is_reproducible_and_resumes_exactly_with_a_batch_in_flight(bas
     assert state["inflight"]["step"] == 5 and state["inflight"]["rollout"]["version"] == 3
 
     run = tmp_path / "killed"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rhymerl.cli", "train", *rl_overrides(base_model, run), *a,
-                             "rollout.workers=2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        ck = latest_checkpoint(run)
-        if ck is not None and ck.name >= "step_000002":
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    subprocess.run([sys.executable, "-m", "rhymerl.cli", "train", "--resume", str(run)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    kill_and_resume(run, rl_overrides(base_model, run) + a + ["rollout.workers=2"], after_step=2)
     assert learning_metrics(run) == ref

@@ -266,8 +266,6 @@ class ProcessPool(WorkerPool):
     """Worker processes on this machine (spawned: no inherited torch threads), the cores split among them."""
 
     def __init__(self, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor]) -> None:
-        import torch.multiprocessing as mp
-
         # One flat shared buffer holds every weight; a sync writes it once and each worker
         # copies from it, so the weights never pass through a pipe or a file.
         self._flat, self._layout = shared_buffer(named)

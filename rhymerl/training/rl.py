@@ -214,10 +214,10 @@ class RLRun:
         total = cfg.trainer.steps * steps_per_update
         self.trainer: PolicyTrainer | TrainerGroup
         if distributed:
-            from rhymerl.distribution.trainer_group import TrainerGroup
+            from rhymerl.distribution import trainer_group
 
             try:
-                self.trainer = TrainerGroup(cfg, base, self.model, with_ref=cfg.algorithm.kl_coef > 0,
+                self.trainer = trainer_group.TrainerGroup(cfg, base, self.model, with_ref=cfg.algorithm.kl_coef > 0,
                                             total_optimizer_steps=total)
             except BaseException:
                 self.rewards.close()

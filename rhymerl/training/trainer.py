@@ -12,7 +12,6 @@ from typing import Callable, ContextManager
 import torch
 
 from rhymerl.config import AlgorithmSection, TrainerSection
-from rhymerl.model import CausalLM
 from rhymerl.training.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
 
 log = logging.getLogger(__name__)
