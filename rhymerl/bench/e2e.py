@@ -57,15 +57,15 @@ def _probe_generate(model: str, seconds: float, sequences: int, conn: Any) -> No
 
 def calibrate(model: str, cfg: Any) -> Any:
     """This machine's costs for the whole-step model, measured apart from the runs it predicts:
-    the engine's step curve (all cores; one thread), the trainer's seconds per token on a
-    synthetic batch of the runs' shape, and how much a one-thread worker process generating
-    beside the trainer slows each of them (two short probes)."""
+    the engine's step curve (all cores; one thread), the trainer's seconds per token on a batch
+    of the runs' shape (the base model's own responses to held-out prompts, which the runs never
+    train on), and how much a one-thread worker process generating beside the trainer slows
+    each of them (two short probes)."""
     import multiprocessing as mp
     import os
 
     import torch
 
-    from rhymerl.bench.train import synthetic_batch
     from rhymerl.model import load_pretrained
     from rhymerl.scheduling import StepCost
     from rhymerl.scheduling.step_model import LocalCosts
@@ -79,13 +79,24 @@ def calibrate(model: str, cfg: Any) -> Any:
         engine_1t = StepCost.profile(model, batches=batches, name="engine, one thread")
     finally:
         torch.set_num_threads(before)
-    policy = load_pretrained(model)
-    vocab = policy.config.vocab_size
+    from rhymerl.data.splits import task_splits
+    from rhymerl.engine import LLM, SamplingParams
+    from rhymerl.tokenizer import encode_prompt, load_tokenizer
+    from rhymerl.training.trainer import Experience
+
     r = cfg.rollout
+    tok = load_tokenizer(model)
+    held_out = task_splits(cfg.data, cfg.seed)[1][: cfg.trainer.batch_prompts]
+    prompts = [encode_prompt(tok, row.prompt) for row in held_out]
+    outs = LLM(model, max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len).generate(
+        prompts, SamplingParams(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens, seed=7), use_tqdm=False)
+    pairs = [(o.prompt_token_ids, c.token_ids) for o in outs for c in o.outputs]
+    exp = Experience.build([p for p, _ in pairs], [c for _, c in pairs],
+                           list(np.random.default_rng(0).normal(size=len(pairs))), tok.pad_token_id or 0)
+    tokens = float(sum(len(p) + len(c) for p, c in pairs))
+    policy = load_pretrained(model)
     trainer = PolicyTrainer(policy, cfg.trainer, cfg.algorithm, torch.device("cpu"),
                             total_optimizer_steps=100, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    exp = synthetic_batch(vocab, sequences=cfg.trainer.batch_prompts * r.n, seed=1)
-    tokens = float((exp.input_ids != 0).sum())
 
     def train_once() -> float:
         t = time.perf_counter()
