@@ -29,39 +29,11 @@ from rhymerl.training.metrics import read_metrics
 SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 
 
-def _probe_generate(model: str, seconds: float, sequences: int, conn: Any) -> None:
-    """A one-thread engine generating a batch of the runs' shape (``sequences`` rows of about a
-    response's length) again and again for ``seconds``; sends the time of each round (the async
-    overlap probe)."""
-    import time as _t
-
-    import torch
-
-    from rhymerl.engine import LLM, SamplingParams
-
-    torch.set_num_threads(1)
-    llm = LLM(model, max_num_seqs=sequences, max_model_len=96)
-    v = llm.model.config.vocab_size
-    prompts = [[3 + (i + j) % (v - 3) for j in range(10)] for i in range(sequences)]
-    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    llm.generate(prompts[:4], sp, use_tqdm=False)
-    conn.send("ready")
-    conn.recv()
-    times, end = [], _t.perf_counter() + seconds
-    while _t.perf_counter() < end:
-        t = _t.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        times.append(_t.perf_counter() - t)
-    conn.send(times)
-
-
 def calibrate(model: str, cfg: Any) -> Any:
     """This machine's costs for the whole-step model, measured apart from the runs it predicts:
-    the engine's step curve (all cores; one thread), the trainer's seconds per token on a batch
-    of the runs' shape (the base model's own responses to held-out prompts, which the runs never
-    train on), and how much a one-thread worker process generating beside the trainer slows
-    each of them (two short probes)."""
-    import multiprocessing as mp
+    the engine's step curve (all cores; one thread), and the trainer's seconds per token on a
+    batch of the runs' shape (the base model's own responses to held-out prompts, which the runs
+    never train on)."""
     import os
 
     import torch
@@ -106,29 +78,7 @@ def calibrate(model: str, cfg: Any) -> Any:
 
     train_once()
     alone_t = min(train_once() for _ in range(3))
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    rows = cfg.trainer.batch_prompts * r.n
-    proc = ctx.Process(target=_probe_generate, args=(model, 1.5, rows, child), daemon=True)
-    proc.start()
-    parent.recv()
-    parent.send("go")
-    gen_alone = parent.recv()
-    proc.join()
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_probe_generate, args=(model, 3.0, rows, child), daemon=True)
-    proc.start()
-    parent.recv()
-    parent.send("go")
-    t0 = time.perf_counter()
-    together_t = []
-    while time.perf_counter() - t0 < 2.5:
-        together_t.append(train_once())
-    gen_together = parent.recv()
-    proc.join()
-    return LocalCosts(engine, engine_1t, alone_t / tokens, os.cpu_count() or 1,
-                      overlap_train=float(np.median(together_t)) / alone_t,
-                      overlap_rollout=float(np.median(gen_together)) / float(np.median(gen_alone)))
+    return LocalCosts(engine, engine_1t, alone_t / tokens, os.cpu_count() or 1, torch.get_num_threads())
 
 
 def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int, policy: str, in_process: bool,
@@ -137,7 +87,7 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
     length and forward traces (what speculation did), with ``costs`` measured before the runs."""
     import json
 
-    from rhymerl.scheduling.step_model import local_rollout_s, overlapped_s
+    from rhymerl.scheduling.step_model import local_rollout_s, overlapped_s, shared_slowdowns
 
     traces = {t["step"]: t for t in map(json.loads, (run_dir / "traces.jsonl").read_text().splitlines())}
     out = []
@@ -151,13 +101,15 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
         rollout = local_rollout_s(costs, forwards, t["prompt_lens"], workers=workers, policy=policy,
                                   predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
                                   in_process=in_process)
-        tokens = sum(p * len(ls) + sum(ls) for p, ls in zip(t["prompt_lens"], t["lengths"]))
+        trained = t.get("trained", [True] * len(t["lengths"]))
+        tokens = sum(p * len(ls) + sum(ls) for p, ls, k in zip(t["prompt_lens"], t["lengths"], trained) if k)
         train = costs.train_s_per_token * tokens
         if async_rl:  # this step's update beside the next batch's rollout (one thread, its own process)
             alone = local_rollout_s(costs, forwards, t["prompt_lens"], workers=1, policy="even",
                                     predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
                                     in_process=False)
-            out.append(overlapped_s(alone, train, costs.overlap_rollout, costs.overlap_train))
+            slow_r, slow_t = shared_slowdowns(costs.cores, 1, costs.train_threads)
+            out.append(overlapped_s(alone, train, slow_r, slow_t))
         else:
             out.append(rollout + train)
     return out
@@ -176,10 +128,9 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
               f"trainer.batch_prompts={batch_prompts}",
               "rollout.n=8", *(extra or [])]
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
-    print("calibrating the whole-step model (engine curves, trainer cost per token, overlap probes)", flush=True)
+    print("calibrating the whole-step model (engine curves, trainer cost per token)", flush=True)
     costs = calibrate(base, load_config(None, common))
-    print(f"  trainer {1e6 * costs.train_s_per_token:.1f} us/token; beside a generating worker the trainer is "
-          f"x{costs.overlap_train:.2f} slower, the worker x{costs.overlap_rollout:.2f}", flush=True)
+    print(f"  trainer {1e6 * costs.train_s_per_token:.1f} us/token", flush=True)
     variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
                 # two local worker processes (one core each): scheduling off (even split) and on
                 "histospec+even2": ["rollout.speculative.method=history", "rollout.workers=2",

@@ -230,15 +230,13 @@ def sensitivity(scale: Scale, accepts: tuple[float, ...], sigmas: tuple[float, .
 class LocalCosts:
     """This machine's costs, measured apart from the runs they predict (``bench e2e`` calibrates
     them first): the engine's step curve in this process (all cores) and in a one-thread worker
-    process, the trainer's seconds per token (old log-probs and update), and how much each
-    side slows while the other runs beside it (async RL on shared cores)."""
+    process, the trainer's seconds per token (old log-probs and update, ``train_threads``)."""
 
     engine: StepCost
     engine_1t: StepCost
     train_s_per_token: float
     cores: int
-    overlap_train: float = 1.0
-    overlap_rollout: float = 1.0
+    train_threads: int = 1
 
 
 def scored_cost(cost: StepCost, scored_per_row: float) -> StepCost:
@@ -246,6 +244,14 @@ def scored_cost(cost: StepCost, scored_per_row: float) -> StepCost:
     a batch of B rows scoring ``s`` tokens each costs what B x s rows of one token cost."""
     return StepCost(cost.batch, tuple(cost.step_s(max(1, int(round(b * scored_per_row)))) for b in cost.batch),
                     cost.prefill_per_token_s, f"{cost.name}, {scored_per_row:.2f} scored per row")
+
+
+def shared_slowdowns(cores: int, rollout_threads: int, train_threads: int) -> tuple[float, float]:
+    """How much slower each side runs while both do, when every runnable thread gets an equal
+    share of the cores (a side cannot run faster than its own threads allow)."""
+    total = rollout_threads + train_threads
+    share = min(1.0, cores / total)  # of a core, per thread
+    return 1.0 / share, 1.0 / share
 
 
 def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
@@ -268,7 +274,8 @@ def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: l
 
 def overlapped_s(rollout_alone: float, train_alone: float, slow_rollout: float, slow_train: float) -> float:
     """Two jobs side by side, each ``slow_*`` times slower while both run, then the one left at
-    its own speed: the time until both are done."""
+    its own speed: the time until both are done. On shared cores the slow-downs follow from
+    the threads (:func:`shared_slowdowns`)."""
     r_rate, t_rate = 1.0 / slow_rollout, 1.0 / slow_train
     first = min(rollout_alone / r_rate, train_alone / t_rate)  # both running until one ends
     left_r = max(0.0, rollout_alone - first * r_rate)

@@ -648,6 +648,8 @@ class RLRun:
                                 "prompt_lens": [len(o.prompt_token_ids) for o in outs],
                                 "lengths": [[len(c.token_ids) for c in o.outputs] for o in outs],
                                 "forwards": [[c.num_forwards for c in o.outputs] for o in outs],
+                                # which groups the update trained on (DAPO's filter drops the rest)
+                                "trained": [any(o is k for k in kept_outs) for o in outs],
                                 "gen_s": gen_s}) + "\n")
         return metrics
 
