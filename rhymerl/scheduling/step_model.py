@@ -247,11 +247,17 @@ def scored_cost(cost: StepCost, scored_per_row: float) -> StepCost:
 
 
 def shared_slowdowns(cores: int, rollout_threads: int, train_threads: int) -> tuple[float, float]:
-    """How much slower each side runs while both do, when every runnable thread gets an equal
-    share of the cores (a side cannot run faster than its own threads allow)."""
+    """How much slower each side runs while both do, on ``cores`` shared cores.
+
+    The trainer's matmuls are fork-join over its threads: a region ends with its slowest
+    thread, so once threads outnumber cores the trainer runs at the pace of a thread that shares
+    its core with as many others as the busiest core holds. A one-thread rollout worker just gets
+    an equal share of the cores."""
     total = rollout_threads + train_threads
-    share = min(1.0, cores / total)  # of a core, per thread
-    return 1.0 / share, 1.0 / share
+    if total <= cores:
+        return 1.0, 1.0
+    busiest = -(-total // cores)  # threads on the most crowded core
+    return total / cores / max(1, rollout_threads), float(busiest)
 
 
 def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
