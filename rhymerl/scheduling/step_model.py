@@ -251,13 +251,13 @@ def shared_slowdowns(cores: int, rollout_threads: int, train_threads: int) -> tu
 
     The trainer's matmuls are fork-join over its threads: a region ends with its slowest
     thread, so once threads outnumber cores the trainer runs at the pace of a thread that shares
-    its core with as many others as the busiest core holds. A one-thread rollout worker just gets
+    its core with as many others as the busiest core holds. The rollout worker's threads each get
     an equal share of the cores."""
     total = rollout_threads + train_threads
     if total <= cores:
         return 1.0, 1.0
     busiest = -(-total // cores)  # threads on the most crowded core
-    return total / cores / max(1, rollout_threads), float(busiest)
+    return total / cores, float(busiest)
 
 
 def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
