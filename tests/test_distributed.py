@@ -59,7 +59,8 @@ def test_two_ranks_give_one_process_gradient_and_fsdp_halves_the_state(tmp_path,
 @pytest.mark.slow
 def test_two_rank_run_is_one_process_run_and_resumes_exactly_and_reshards(base_model, tmp_path):
     """FSDP on 2 ranks learns what one process learns (float tolerance); kill -9 mid-run and
-    --resume reproduces the straight 2-rank run exactly; a 2-rank checkpoint continues on 1."""
+    --resume reproduces the straight 2-rank run exactly; a 2-rank checkpoint continues on 1
+    process and a 1-process checkpoint on 2 ranks."""
     from rhymerl.training.rl import train
 
     four = ["trainer.steps=4", *LEARN]
@@ -85,6 +86,12 @@ def test_two_rank_run_is_one_process_run_and_resumes_exactly_and_reshards(base_m
     train(load_config(None, rl_overrides(base_model, part) + four), progress=False)
     resharded = learning_metrics(part)
     assert len(resharded) == 5 and all(close(a, b) for a, b in zip(resharded, ref))
+    # ... and a 1-process checkpoint continues on 2 ranks (its optimizer state scattered to them)
+    grown = tmp_path / "grown"
+    train(load_config(None, rl_overrides(base_model, grown) + four + ["trainer.steps=2"]), progress=False)
+    train(load_config(None, rl_overrides(base_model, grown) + four + two), progress=False)
+    grown_rows = learning_metrics(grown)
+    assert len(grown_rows) == 5 and all(close(a, b) for a, b in zip(grown_rows, one))
 
     from rhymerl.model import load_pretrained
     from rhymerl.training.checkpoint import export_policy
