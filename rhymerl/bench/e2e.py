@@ -169,13 +169,13 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     learn = {k: [{m: v for m, v in r.items() if not m.startswith(SPEED)} for r in rows] for k, rows in results.items()}
     # Speculation and scheduling never change what is learned; async RL does (older weights draw
     # its batches), so the async variants are compared with each other.
-    same_as = {k: "async" if k.startswith("async") else "baseline" for k in learn}
+    same_as = {k: "async" if runs[k].cfg.trainer.async_staleness else "baseline" for k in learn}
     same = {k: learn[k] == learn[same_as[k]] for k in learn}
     rows_out = []
-    shape = {name: dict(workers=2 if "2" in name or "histopipe" in name else 1,
-                        policy="histopipe" if "histopipe" in name else "even",
-                        in_process=not (name.startswith("async") or "2" in name or "histopipe" in name),
-                        async_rl=name.startswith("async")) for name in results}
+    from rhymerl.distribution.factory import in_process_worker
+
+    shape = {name: dict(workers=r.cfg.rollout.workers, policy=r.cfg.rollout.schedule, in_process=in_process_worker(r.cfg),
+                        async_rl=r.cfg.trainer.async_staleness > 0) for name, r in runs.items()}
     # the first epoch's prompts have no history yet: the "after epoch 1" columns leave it out
     skip = min(num_train // batch_prompts, steps - 1)
     for name, rows in results.items():

@@ -228,29 +228,19 @@ def shared_buffer(named: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list
     return torch.empty(off, dtype=torch.float32).share_memory_(), layout
 
 
-def spawn_processes(cls: type, args: list[tuple], *, name: str,
-                    env: Mapping[str, str] | None = None) -> list[ProcessHandle]:
+def spawn_processes(cls: type, args: list[tuple], *, name: str) -> list[ProcessHandle]:
     """One spawned process per ``args`` entry, each serving ``cls(*entry)``; returns once all
-    are built (a failed build raises, naming the process). ``env`` is set in the children."""
+    are built (a failed build raises, naming the process)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     handles = []
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})  # spawned children inherit the environment at start
-    try:
-        for i, a in enumerate(args):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, cls, a), daemon=True, name=f"{name}-{i}")
-            proc.start()
-            child.close()
-            handles.append(ProcessHandle(i, proc, parent))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    for i, a in enumerate(args):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(child, cls, a), daemon=True, name=f"{name}-{i}")
+        proc.start()
+        child.close()
+        handles.append(ProcessHandle(i, proc, parent))
     try:
         for h in handles:  # each process says it is ready once built
             h.started_at = time.monotonic()

@@ -80,8 +80,8 @@ class TrainerGroup:
             if local:
                 # A file rendezvous in a folder only this user reads: nothing listens on the network.
                 self._tmp = tempfile.mkdtemp(prefix="rhymerl-rdzv-")
-                self.handles = spawn_processes(TrainerRank, [(s,) for s in specs], name="rhymerl-trainer",
-                                               env={"OMP_NUM_THREADS": str(threads)})
+                # each rank sets its own thread count (RankSpec.threads)
+                self.handles = spawn_processes(TrainerRank, [(s,) for s in specs], name="rhymerl-trainer")
                 self._all("setup", f"file://{self._tmp}/store", True, timeout=t.collective_timeout_s + 60)
             else:
                 self._start_ray(cfg, specs)

@@ -272,7 +272,7 @@ def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: l
     known = [p for p in predicted if p is not None]
     fill = float(np.median(known)) if known else 1.0
     guess = [[(p if p is not None else fill)] * len(f) for p, f in zip(predicted, forwards)]
-    plan = make_plan(policy if workers > 1 else "even", forwards if policy == "oracle" else guess, workers,
+    plan = make_plan(policy if workers > 1 else "even", guess, workers,
                      cost=cost, max_num_seqs=max_num_seqs, prompt_len=float(np.mean(prompt_lens)))
     return simulate(plan, forwards, prompt_lens, cost, max_num_seqs=max_num_seqs, cores=cores,
                     threads=threads).makespan_s

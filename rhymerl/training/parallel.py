@@ -194,16 +194,12 @@ class TrainerRank:
     def compute_logps(self, exp: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """This rank's rows' old and reference log-probs: (rows, old [n, W], ref [n, W])."""
         self.trainer.compute_logps(exp)
-        mine = torch.zeros(exp.input_ids.shape[0], dtype=torch.bool)
-        for micro in self.trainer._rank_micro_batches(exp, torch.arange(exp.input_ids.shape[0])):
-            if micro is not None:
-                mine[micro] = True
-        rows = mine.nonzero().squeeze(1)
+        rows = self.trainer.rank_parts(exp, torch.arange(exp.input_ids.shape[0]))[self.spec.rank]
         old = exp.old_logp[rows] if exp.old_logp is not None else None
         ref = exp.ref_logp[rows] if exp.ref_logp is not None else None
         return rows, old, ref
 
-    def update(self, exp: Any, step: int, seed: int) -> tuple[dict[str, float], dict[str, int], float, int]:
+    def update(self, exp: Any, step: int, seed: int) -> tuple[dict[str, float], dict[str, float], float, int]:
         sums, counts, lr = self.trainer.update_sums(exp, step, seed)
         return sums, counts, lr, self.trainer.bad_steps
 

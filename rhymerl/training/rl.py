@@ -250,10 +250,9 @@ class RLRun:
         self.staleness = cfg.trainer.async_staleness
         self.version = 0  # updates applied to self.model
         self.worker_version = 0  # the version the rollout workers hold
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # older versions still to be pushed (S >= 2)
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # async: older versions batches may still need
         self.inflight: _InFlight | None = None  # async: the next step's batch
         self.step = 0
-        self._snapshot()
         self.initial_accuracy: dict[str, float] | None = None
         self.carried: list[CarriedGroup] = []  # paused groups waiting for the next step
         self._row_of = {row.key: row for row in self.train_rows}
@@ -453,19 +452,22 @@ class RLRun:
         """The policy version that draws step ``step``'s batch: a function of the step alone."""
         return max(0, step - 1 - self.staleness)
 
-    def _snapshot(self) -> None:
-        """Keep the current weights while a later batch may still need them: the next step's
-        batch is drawn by version ``version - S`` (the run may also be resumed or extended
-        before that batch is drawn, so they travel in checkpoints)."""
+    def _keep_current(self, step: int) -> None:
+        """Async: copy the current weights before step ``step``'s update replaces them, if a batch
+        may still be drawn by them (step t+1's is drawn by version t-S; the run may also be
+        resumed or extended before it is, so the copies travel in checkpoints). Only versions
+        older than the live weights are ever copied."""
         if self.staleness:
-            self.snapshots[self.version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-            self.snapshots = {v: w for v, w in self.snapshots.items() if v >= self.version - self.staleness}
+            oldest = step - self.staleness
+            self.snapshots = {v: w for v, w in self.snapshots.items() if v >= oldest}
+            if self.version >= oldest:
+                self.snapshots[self.version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     def _push(self, version: int) -> None:
         """The rollout workers to policy ``version`` (nothing to do if they hold it)."""
         if self.worker_version == version:
             return
-        named = self.snapshots[version] if version != self.version else dict(self.model.named_parameters())
+        named = dict(self.model.named_parameters()) if version == self.version else self.snapshots[version]
         self.rollout.pool.update_weights(named)
         self.worker_version = version
 
@@ -544,6 +546,7 @@ class RLRun:
         if self.history is not None:
             for row, g in zip(rows, scores):
                 self.history.set_rewards(row.key, step, g)
+        epoch = self.loader.state.epoch  # the trained batch's (async draws the next one just below)
         if self.staleness and step < cfg.trainer.steps:
             self._launch(step + 1)  # generates while this batch trains
 
@@ -560,6 +563,7 @@ class RLRun:
         reward_t = score_t + overlong_penalty(torch.tensor(lengths), cfg.rollout.max_tokens, algo.overlong_buffer,
                                               algo.overlong_penalty)
         metrics: dict[str, Any] = {}
+        self._keep_current(step)
         if responses:
             exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
                                    behaviour_logprobs=behaviour if self.staleness else None)
@@ -587,7 +591,6 @@ class RLRun:
         if not isinstance(self.trainer, PolicyTrainer):
             sync_bytes += self.trainer.publish().bytes  # the ranks' new weights into this process's copy
         self.version = step
-        self._snapshot()
         if not self.staleness:  # async: the workers get a version when a launch asks for it
             self._push(self.version)
             sync_bytes += self.sync_bytes
@@ -618,7 +621,7 @@ class RLRun:
             "rollout/carried_groups": len(self.carried),
             "rollout/offpolicy_tokens": offpolicy,
             "rollout/offpolicy_fraction": offpolicy / max(1, sum(all_lens)),
-            "data/epoch": self.loader.state.epoch,
+            "data/epoch": epoch,
             "timing_s/gen": gen_s, "timing_s/reward": reward_s, "timing_s/old_logp": old_s,
             "timing_s/update": upd_s, "timing_s/sync": sync_s, "timing_s/step": step_s,
             "perf/sync_bytes": sync_bytes,
@@ -643,13 +646,14 @@ class RLRun:
             from rhymerl.scheduling import spearman
 
             metrics["pipe/length_rank_corr"] = spearman([k[0] for k in known], [k[1] for k in known])
+        trained = {id(o) for o in kept_outs}
         with open(self.run_dir / "traces.jsonl", "a") as f:  # per-sample lengths: what `bench pipe` replays
             f.write(json.dumps({"step": step, "keys": [row.key for row in rows], "predicted": first.predicted,
                                 "prompt_lens": [len(o.prompt_token_ids) for o in outs],
                                 "lengths": [[len(c.token_ids) for c in o.outputs] for o in outs],
                                 "forwards": [[c.num_forwards for c in o.outputs] for o in outs],
                                 # which groups the update trained on (DAPO's filter drops the rest)
-                                "trained": [any(o is k for k in kept_outs) for o in outs],
+                                "trained": [id(o) in trained for o in outs],
                                 "gen_s": gen_s}) + "\n")
         return metrics
 

@@ -7,7 +7,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -48,6 +48,11 @@ class Experience:
         return Experience(ids, mask, torch.tensor(advantages, dtype=torch.float32), behav_logp=behav)
 
 
+def make_optimizer(params: Any, trainer: TrainerSection) -> torch.optim.Optimizer:
+    """The policy's optimizer (one definition: the trainer and a checkpoint's reader build it alike)."""
+    return torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+
+
 def lr_lambda(trainer: TrainerSection, total_steps: int):
     def f(step: int) -> float:
         if trainer.warmup_steps and step < trainer.warmup_steps:
@@ -80,8 +85,7 @@ class PolicyTrainer:
         # gradient is taken for the policy that was sampled (verl uses logits / T alone).
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p, self.top_k = top_p, top_k
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8)
+        self.optimizer = make_optimizer(model.parameters(), trainer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lr_lambda(trainer, total_optimizer_steps))
         self.bad_steps = 0
@@ -168,15 +172,22 @@ class PolicyTrainer:
         out.append(order[start:])
         return out
 
+    def rank_parts(self, exp: Experience, idx: torch.Tensor) -> list[torch.Tensor]:
+        """``idx`` split over the ranks, balanced by tokens: a function of the lengths alone, so
+        every rank knows every rank's part without talking."""
+        if self.world_size == 1:
+            return [idx]
+        from rhymerl.training.parallel import balance_by_tokens
+
+        parts = balance_by_tokens(exp.response_mask[idx].sum(-1).tolist(), self.world_size)
+        return [idx[torch.tensor(p, dtype=torch.long)] for p in parts]
+
     def _rank_micro_batches(self, exp: Experience, idx: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's micro-batches of ``idx``, padded with ``None`` to the most any rank has:
         FSDP's forward and backward are collectives, so every rank runs as many."""
         if self.world_size == 1:
             return list(self._micro_batches(exp, idx))
-        from rhymerl.training.parallel import balance_by_tokens
-
-        parts = balance_by_tokens(exp.response_mask[idx].sum(-1).tolist(), self.world_size)
-        per_rank = [self._micro_batches(exp, idx[torch.tensor(p, dtype=torch.long)]) if p else [] for p in parts]
+        per_rank = [self._micro_batches(exp, p) if len(p) else [] for p in self.rank_parts(exp, idx)]
         most = max(len(m) for m in per_rank)
         mine: list[torch.Tensor | None] = list(per_rank[self.rank])
         return mine + [None] * (most - len(mine))
@@ -251,12 +262,12 @@ class PolicyTrainer:
         for i, micro in enumerate(micros):
             with self.grad_sync(i == len(micros) - 1):
                 if micro is None:  # padding for the collectives: a zero contribution
-                    logp, _ = self._token_logp(self.model, exp.input_ids[:1, :2].to(self.device))
-                    (logp.sum() * 0.0).backward()
+                    self._token_logp(self.model, exp.input_ids[:1, :2].to(self.device))[0].sum().mul(0.0).backward()
                     continue
                 width = self._width(exp, micro)  # trim padding shared by the whole micro-batch
                 ids = exp.input_ids[micro, :width].to(self.device)
                 mask = exp.response_mask[micro][:, : width - 1].to(self.device)
+                ntok = float(mask.sum())
                 adv = exp.advantages[micro].to(self.device).unsqueeze(1)
                 logp, ent = self._token_logp(self.model, ids, with_entropy=True)
                 old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
@@ -276,15 +287,14 @@ class PolicyTrainer:
                     kl = aggregate(kl_penalty(logp, ref, algo.kl_type), mask, algo.loss_agg_mode,
                                    norm_tokens=norm_tokens, norm_seqs=norm_seqs)
                     loss = loss + algo.kl_coef * kl
-                    ntok = float(mask.sum())
                     acc("actor/kl_loss", float(kl.detach()) * norm_tokens / max(1.0, ntok), ntok)
                 if not torch.isfinite(loss):
                     finite = False
                     if self.world_size == 1:
                         break
-                    loss = logp.sum() * 0.0  # the other ranks' collectives still need this backward
+                    logp.sum().mul(0.0).backward()  # the other ranks' collectives still need a backward
+                    continue
                 (loss * scale if scale != 1.0 else loss).backward()
-                ntok = float(mask.sum())
                 frac = ntok / norm_tokens
                 acc("actor/pg_loss", float(pg_loss.detach()) / max(frac, 1e-9), frac)
                 acc("actor/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)), ntok)
@@ -355,8 +365,7 @@ class PolicyTrainer:
         from rhymerl.model import load_pretrained
 
         plain = load_pretrained(path.parent / "policy", dtype=torch.float32)
-        opt = torch.optim.AdamW(plain.parameters(), **{k: v for k, v in self.optimizer.defaults.items()
-                                                      if k in ("lr", "weight_decay", "betas", "eps")})
+        opt = make_optimizer(plain.parameters(), self.cfg)
         opt.load_state_dict(saved["optimizer"])
         msd, osd = get_state_dict(plain, opt)
         set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
