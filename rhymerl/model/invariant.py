@@ -49,7 +49,7 @@ _transposed_ok: dict[tuple, bool] = {}
 
 def _transposed_is_invariant(weight: torch.Tensor) -> bool:
     """Whether ``weight @ x^T`` gives each column the same bits at every column count here
-    (checked once per shape, dtype, device and thread count against a 2-column product)."""
+    (checked once per shape, dtype, device and thread count against the widest product)."""
     key = (tuple(weight.shape), weight.dtype, weight.device.type, torch.get_num_threads())
     ok = _transposed_ok.get(key)
     if ok is None and 2 * weight.numel() * sum(_SELF_TEST_COLUMNS) > _SELF_TEST_FLOPS:
@@ -58,10 +58,39 @@ def _transposed_is_invariant(weight: torch.Tensor) -> bool:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(weight.shape, generator=g).to(weight)
         x = torch.randn(max(_SELF_TEST_COLUMNS), weight.shape[1], generator=g).to(weight)
-        ref = torch.mm(w, x[:2].t())
-        ok = all(torch.equal(torch.mm(w, x[:r].t())[:, :2], ref) for r in _SELF_TEST_COLUMNS)
+        # Every column, not just the first ones: a column count's last columns may take another
+        # kernel path (seen on an AMD EPYC: 3 columns of fp32, the third's bits differ).
+        ref = torch.mm(w, x.t())
+        ok = all(torch.equal(torch.mm(w, x[:r].t()), ref[:, :r]) for r in _SELF_TEST_COLUMNS)
         _transposed_ok[key] = ok
     return ok
+
+
+_min_cols: dict[tuple, int] = {}
+
+
+def _min_columns(D: int, device: torch.device, dtype: torch.dtype) -> int:
+    """The fewest columns from which the attention's batched products (``[n, D] @ [D, R]`` and
+    ``[D + 1, n] @ [n, R]``) give each column the same bits at every larger column count here
+    (measured once per head size, device, dtype and thread count; at least 2)."""
+    key = (D, device.type, dtype, torch.get_num_threads())
+    got = _min_cols.get(key)
+    if got is None:
+        g = torch.Generator().manual_seed(0)
+        top = 64
+        k = torch.randn(4, KEY_CHUNK, D, generator=g).to(device, dtype)
+        c = torch.randn(4, D, top, generator=g).to(device, dtype)
+        v = torch.randn(4, D + 1, KEY_CHUNK, generator=g).to(device, dtype)
+        p = torch.randn(4, KEY_CHUNK, top, generator=g).to(device, dtype)
+        s_ref, o_ref = torch.bmm(k, c), torch.bmm(v, p)
+        got = 2
+        for r in range(top - 1, 1, -1):
+            if not (torch.equal(torch.bmm(k, c[:, :, :r]), s_ref[:, :, :r])
+                    and torch.equal(torch.bmm(v, p[:, :, :r]), o_ref[:, :, :r])):
+                got = r + 1
+                break
+        _min_cols[key] = got
+    return got
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,8 +146,12 @@ def chunked_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, posit
         cols = q5.permute(0, 1, 4, 2, 3).reshape(B * KV, D, G * T)
         limit = positions.view(B, 1, 1, T).expand(B, KV, G, T).reshape(B * KV, 1, 1, G * T)
     E, _, R = cols.shape
-    if R == 1:  # one column is a matrix-vector product, computed differently: pad to two
-        cols, limit = torch.cat([cols, cols], 2), torch.cat([limit, limit], 3)
+    # Too few columns take another kernel path (one is a matrix-vector product; on an AMD EPYC
+    # fewer than 12 give other bits than 12 or more): pad with copies of the first column.
+    pad = max(R, _min_columns(D, q.device, f32)) - R
+    if pad:
+        cols = torch.cat([cols, cols[:, :, :1].expand(E, D, pad)], 2)
+        limit = torch.cat([limit, limit[..., :1].expand(*limit.shape[:-1], pad)], 3)
     Rc = cols.shape[2]
 
     # Values with a column of ones: [V | 1]^T @ P^T gives the weighted values and, in its last
@@ -187,7 +220,8 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def invariant_forward(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView,
-                      logits_index: torch.Tensor | None = None, key_pos: torch.Tensor | None = None) -> torch.Tensor:
+                      logits_index: torch.Tensor | None = None, key_pos: torch.Tensor | None = None,
+                      return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:meth:`CausalLM.forward` against the engine's cache, with shape-invariant numerics.
 
     Each query attends to the keys at logical positions ``0..positions[b, t]`` (its own
@@ -209,4 +243,5 @@ def invariant_forward(model: CausalLM, input_ids: torch.Tensor, positions: torch
     h = dec.norm(x)
     if logits_index is not None:
         h = h.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
-    return invariant_linear(h, model.lm_head.weight)
+    logits = invariant_linear(h, model.lm_head.weight)
+    return (logits, h) if return_hidden else logits
