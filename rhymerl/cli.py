@@ -27,9 +27,11 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_sft(ns: argparse.Namespace) -> int:
-    from rhymerl.training.sft import print_card, run_sft, sft_output_dir
+    from rhymerl.training.sft import draft_config, print_card, run_sft, sft_output_dir
 
     cfg = load_config(*_split(ns.args))
+    if ns.draft:
+        cfg = draft_config(cfg)
     out = sft_output_dir(cfg)
     print_card(run_sft(cfg, out), out)
     return 0
@@ -57,8 +59,15 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         kw = {"max_num_seqs": ns.max_num_seqs} if ns.max_num_seqs else {}
         if ns.prompts:
             kw["prompts"] = ns.prompts
-        if ns.no_gate:
-            kw["gate"] = False
+        if ns.gate != "both":
+            kw["gates"] = (ns.gate == "on",)
+        for key in ("draft_model", "draft_head"):
+            if getattr(ns, key):
+                kw[key] = getattr(ns, key)
+        if ns.methods:
+            kw["methods"] = tuple(ns.methods.split(","))
+        if ns.temperatures:
+            kw["temperatures"] = tuple(float(t) for t in ns.temperatures.split(","))
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
@@ -98,15 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser("sft", help="train the tiny base model of a built-in task from scratch")
     s.add_argument("args", nargs="*")
+    s.add_argument("--draft", action="store_true",
+                   help="a small draft model instead (for rollout.speculative.draft_model)")
     s.set_defaults(fn=cmd_sft)
     b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run")
     b.add_argument("which", choices=["engine", "spec", "e2e", "pipe", "train", "project"])
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
-    b.add_argument("--prompts", type=int, help="spec: how many prompts (default 64)")
-    b.add_argument("--no-gate", action="store_true",
-                   help="spec: drafters without the batch gate (tokens per forward of the draft sources alone)")
+    b.add_argument("--prompts", type=int, help="spec: how many prompts (default 32)")
+    b.add_argument("--gate", choices=["both", "on", "off"], default="both",
+                   help="spec: rows with the batch gate, without it (the draft sources alone), or both")
+    b.add_argument("--draft-model", help="spec: a draft model folder (default: the task's, trained if missing)")
+    b.add_argument("--draft-head", help="spec: a saved draft head (default: the main job's newest checkpoint's)")
+    b.add_argument("--methods", help="spec: comma-separated subset of the methods")
+    b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.add_argument("--no-speculation", action="store_true",
                    help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from rhymerl.drafting.config import SpecConfig
+
 
 class ConfigError(ValueError):
     """A bad config; the message starts with the key path."""
@@ -73,22 +75,6 @@ class SFTSection:
 
 
 @dataclass
-class SpeculativeSection:
-    method: str = "history"  # none | history | ngram
-    max_draft: int = 16
-    tree_budget: int = 0  # >0: tree drafts with this many nodes
-    length_policy: str = "additive"  # additive (paper) | multiplicative (release)
-    min_prob: float = 0.1
-    pattern_max: int = 7
-    pattern_min: int = 3
-    siblings: bool = True
-    history_epochs: int = 1
-    reward_weight: float = 0.0
-    gate: bool = True
-    global_fallback: bool = True  # no long match in the prompt's own history: draft from all prompts'
-
-
-@dataclass
 class RolloutSection:
     n: int = 8
     temperature: float = 0.7
@@ -97,7 +83,7 @@ class RolloutSection:
     max_tokens: int = 160
     max_num_seqs: int = 256
     max_model_len: int = 256
-    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    speculative: SpecConfig = field(default_factory=SpecConfig)  # rhymerl.drafting.config
     # HistoPipe and workers (rhymerl.scheduling, rhymerl.distribution)
     workers: int = 1  # rollout workers, each an engine with its own weights copy
     backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
@@ -288,8 +274,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "data.task": None,  # checked against the task registry below
     "trainer.strategy": None,  # checked against the strategy registry below
-    "rollout.speculative.method": ("none", "history", "ngram"),
-    "rollout.speculative.length_policy": ("additive", "multiplicative"),
+    "rollout.speculative.method": None,  # checked against the drafting registries below
     "algorithm.adv_estimator": ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algorithm.kl_type": ("k1", "low_var_kl"),
@@ -299,6 +284,32 @@ _CHOICES = {
     "rollout.length_stat": ("mean", "median", "max", "p75"),
     "rollout.placement": ("auto", "lpt", "contiguous"),
 }
+
+
+def _validate_speculative(cfg: RunConfig) -> None:
+    from rhymerl.drafting import METHODS, SOURCES
+    from rhymerl.drafting.length_policy import POLICIES
+
+    sp = cfg.rollout.speculative
+    if sp.method != "none" and sp.method not in METHODS:
+        raise ConfigError(f"rollout.speculative.method: {sp.method!r} is not one of {['none'] + sorted(METHODS)}")
+    if sp.length_policy not in POLICIES:
+        raise ConfigError(f"rollout.speculative.length_policy: {sp.length_policy!r} is not one of {sorted(POLICIES)}")
+    for name in sp.sources or []:
+        if name not in SOURCES:
+            raise ConfigError(f"rollout.speculative.sources: {name!r} is not one of {sorted(SOURCES)}")
+    if sp.draft_model is not None and not Path(sp.draft_model).is_dir():
+        raise ConfigError(f"rollout.speculative.draft_model: {sp.draft_model!r} is not a folder "
+                          "(an HF model folder sharing the policy's tokenizer)")
+    if sp.method == "draft_model" and not sp.draft_model:
+        raise ConfigError("rollout.speculative.method=draft_model needs rollout.speculative.draft_model=PATH")
+    from rhymerl.drafting import trains_draft_head
+
+    if trains_draft_head(sp) and cfg.trainer.world_size > 1:
+        raise ConfigError("rollout.speculative: a draft head trained online needs trainer.world_size=1 "
+                          "(or load a trained one with rollout.speculative.draft_head=PATH)")
+    if sp.draft_max < 1:
+        raise ConfigError(f"rollout.speculative.draft_max: must be >= 1, got {sp.draft_max}")
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -325,6 +336,7 @@ def _validate(cfg: RunConfig) -> None:
                           "mid-step, which async RL (trainer.async_staleness > 0) gives to the next batch; use 0")
     if not cfg.algorithm.is_cap >= 1.0:
         raise ConfigError(f"algorithm.is_cap: must be >= 1, got {cfg.algorithm.is_cap}")
+    _validate_speculative(cfg)
     if cfg.trainer.strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy: {cfg.trainer.strategy!r} is not one of {sorted(STRATEGIES)}")
     if not cfg.data.train_files and cfg.data.task not in TASKS:

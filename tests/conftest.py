@@ -51,7 +51,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         "rollout.speculative.max_draft=4",
         "algorithm.kl_coef=0.05", "trainer.ppo_mini_batches=1",  # a reference model to checkpoint and resume
         "algorithm.dynamic_sampling=false"]  # 2 samples per group: the default filter would drop most groups
-SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/")
+SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/", "draft/accept_rate")  # how fast, not what is learnt
 
 
 @pytest.fixture(scope="session")

@@ -173,8 +173,7 @@ def test_speculation_emits_identical_tokens(temperature, top_p, top_k, tree_budg
                         seed=7)
     plain = base.generate(PROMPTS, sp, use_tqdm=False)
     spec = LLM(model, max_num_seqs=16, max_model_len=96,
-               speculative=build_proposer({"method": "history", "gate": False, "tree_budget": tree_budget,
-                                           "record": False}, store))
+               speculative=build_proposer({"method": "history", "gate": False, "tree_budget": tree_budget}, store))
     fast = spec.generate(PROMPTS, sp, prompt_keys=keys, use_tqdm=False)
     assert spec.engine.stats.accepted > 0, "the test must exercise accepted drafts"
     ties = 0
@@ -199,8 +198,8 @@ def test_sampled_distribution_agrees_chi_square():
     sp = SamplingParams(n=n, temperature=1.0, max_tokens=4, ignore_eos=True)
     plain = LLM(model, max_num_seqs=512, max_model_len=16, seed=1).generate([prompt], sp, use_tqdm=False)[0]
     spec_llm = LLM(model, max_num_seqs=512, max_model_len=16, seed=2,
-                   speculative=build_proposer({"method": "history", "gate": False, "siblings": False,
-                                               "record": False, "min_prob": 0.0}, store))
+                   speculative=build_proposer({"method": "history", "gate": False, "min_prob": 0.0,
+                                               "sources": ["prompt_history", "global_history"]}, store))
     spec = spec_llm.generate([prompt], sp, prompt_keys=["k"], use_tqdm=False)[0]
     assert spec_llm.engine.stats.drafted > 2 * n and spec_llm.engine.stats.accepted > 100
     for pos in (1, 2, 3):  # positions reached through drafts
@@ -217,11 +216,11 @@ def test_sampled_distribution_agrees_chi_square():
 
 def test_gate_recovers_after_an_epoch_without_history():
     """A first epoch without history must not switch drafting off for the epochs after it."""
-    from rhymerl.drafting import HistoryDrafter, DrafterConfig
+    from rhymerl.drafting import SpecConfig
     from rhymerl.engine.sequence import Sequence
 
     table = {(b, t): 0.001 * (1 + 0.05 * (t - 1)) for b in (1, 8) for t in (1, 2, 3, 5, 9, 17)}
-    d = HistoryDrafter(DrafterConfig(siblings=False))
+    d = build_proposer(SpecConfig(sources=["prompt_history", "global_history"]))
     d.attach_cost_model(CostModel(table))
     seqs = []
     for i in range(8):
@@ -240,10 +239,11 @@ def test_gate_recovers_after_an_epoch_without_history():
 @pytest.mark.parametrize("fallback", [True, False])
 def test_global_fallback_drafts_from_other_prompts(fallback):
     """A prompt without history (or without a match in it) drafts from other prompts' responses."""
-    from rhymerl.drafting import DrafterConfig, HistoryDrafter
+    from rhymerl.drafting import SpecConfig
     from rhymerl.engine.sequence import Sequence
 
-    d = HistoryDrafter(DrafterConfig(siblings=False, gate=False, global_fallback=fallback))
+    sources = ["prompt_history", "global_history"] if fallback else ["prompt_history"]
+    d = build_proposer(SpecConfig(sources=sources, gate=False))
     d.store.add("a", [5, 6, 7], [[11, 12, 13, 14, 15, 16]], step=1)
     d.store.add("b", [5, 6, 7], [[20, 21, 22, 23]], step=1)
     s = Sequence(0, 0, [8, 9], SamplingParams(max_tokens=50), seed=0, prompt_key="new")

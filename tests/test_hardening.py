@@ -274,16 +274,17 @@ def test_history_with_valid_checksum_but_malformed_body_is_discarded(tmp_path, c
 def test_drafts_come_from_the_previous_epoch_through_the_worker_path():
     """A worker's store gets each prompt's history by ``put`` every step; the drafter's cached
     index must follow it (it used to keep the first epoch's: the revision restarted at 1)."""
-    from rhymerl.drafting import HistoryDrafter, HistoryStore
+    from rhymerl.drafting import HistoryStore, build_proposer
 
     store = HistoryStore(max_rollouts=1)
-    drafter = HistoryDrafter(store=store)
+    drafter = build_proposer({"method": "history"}, store)
+    source = drafter.sources[0]  # prompt_history
     prompt = [5, 6, 7, 8, 9]
     for epoch in range(1, 6):  # epoch e's responses are [10+e, 20+e, 30+e, EOS]
         drafter.begin(epoch)
         store.put("p", prompt, [(epoch - 1, [[10 + epoch - 1, 20 + epoch - 1, 30 + epoch - 1, 2]] * 2, [None] * 2)]
                   if epoch > 1 else [])
-        idx = drafter._history_index("p")
+        idx = source.index("p")
         if epoch == 1:
             assert idx is None
             continue
@@ -292,11 +293,11 @@ def test_drafts_come_from_the_previous_epoch_through_the_worker_path():
 
 
 def test_long_generation_keeps_engine_stats_and_drafter_cache_flat():
-    from rhymerl.drafting import HistoryDrafter, HistoryStore
+    from rhymerl.drafting import HistoryStore, build_proposer
     from rhymerl.engine import LLM, SamplingParams
 
     store = HistoryStore(max_rollouts=1, max_total_tokens=400)  # evicts: at most a few prompts fit
-    drafter = HistoryDrafter(store=store)
+    drafter = build_proposer({"method": "history"}, store)
     llm = LLM(tiny_model(), max_num_seqs=16, max_model_len=64, speculative=drafter)
     sizes = []
     for rnd in range(12):
@@ -305,7 +306,7 @@ def test_long_generation_keeps_engine_stats_and_drafter_cache_flat():
                      prompt_keys=keys, use_tqdm=False)
         for k in keys:  # history of what was generated, as the RL loop records it
             store.add(k, [3, 4, 5], [[7, 8, 9, 10]] * 30, rnd)
-        sizes.append((len(vars(llm.engine.stats)), len(drafter._indices), len(store)))
+        sizes.append((len(vars(llm.engine.stats)), len(drafter.sources[0]._indices), len(store)))
     assert all(isinstance(v, (int, float)) for v in vars(llm.engine.stats).values())  # counters, no lists
     assert max(s[1] for s in sizes[3:]) <= max(s[2] for s in sizes) + 1
     assert sizes[-1][1] <= sizes[4][1] + 1 and sizes[-1][0] == sizes[0][0]

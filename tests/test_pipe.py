@@ -183,6 +183,8 @@ def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
     for step in (1, 2):
         outs = co.rollout(reqs, step, on_done=lambda i, o: streamed.append(i))
         assert _tokens(outs) == ref
+        for r, o in zip(reqs, outs):  # as the training loop records them
+            co.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
     assert sorted(streamed) == sorted(list(range(len(reqs))) * 2)
     assert co.stats.accepted > 0  # step 2 drafted from step 1's history, shipped to the workers
     assert all(len(co.history.lengths(r.prompt_key)) == 4 for r in reqs)
@@ -223,7 +225,7 @@ def test_paused_samples_continue_to_the_tokens_of_an_uninterrupted_run(model_dir
 
     def first_part(r: RolloutRequest) -> RolloutRequest:
         p = SamplingParams(n=r.params.n, temperature=1.0, max_tokens=step_budget(40, budget), logprobs=True)
-        return RolloutRequest(r.prompt_ids, p, r.seed, r.prompt_key, record=False)
+        return RolloutRequest(r.prompt_ids, p, r.seed, r.prompt_key)
 
     outs = co.rollout([first_part(r) for r in reqs], 1)
     groups = []

@@ -44,6 +44,17 @@ def test_speculation_does_not_change_learning(base_model, tmp_path):
     train(load_config(None, rl_overrides(base_model, tmp_path / "b") + ["rollout.speculative.gate=false"]),
           progress=False)
     assert learning_metrics(tmp_path / "a") == learning_metrics(tmp_path / "b")
+    # the hybrid, with a draft head trained online beside the policy: the same learning
+    train(load_config(None, rl_overrides(base_model, tmp_path / "c") + ["rollout.speculative.gate=false",
+                                                                      "rollout.speculative.method=hybrid"]),
+          progress=False)
+    hybrid = learning_metrics(tmp_path / "c")
+    assert [{k: v for k, v in r.items() if not k.startswith("draft/")} for r in hybrid] == \
+        learning_metrics(tmp_path / "a")
+    trained = [r for r in hybrid if "draft/loss" in r]
+    assert len(trained) == 4 and trained[-1]["draft/loss"] < trained[0]["draft/loss"]
+    spec = [r for r in read_metrics(tmp_path / "c" / "metrics.jsonl") if "spec/accepted_tokens/draft_head" in r]
+    assert spec and "draft/accept_rate" in spec[-1]
 
 
 def test_kl_in_reward_replaces_the_kl_loss(base_model, tmp_path):
@@ -98,7 +109,9 @@ def test_dynamic_sampling_filter_drops_groups_without_advantage(base_model, tmp_
 def test_sigkill_and_resume_is_exact(base_model, tmp_path):
     from rhymerl.training.rl import train
 
-    six = ["trainer.steps=6"]  # long enough that the kill lands mid-run, after step 2's checkpoint
+    # long enough that the kill lands mid-run, after step 2's checkpoint; the hybrid trains a draft
+    # head online, whose weights and optimizer resume with the run (its loss is a learning metric)
+    six = ["trainer.steps=6", "rollout.speculative.method=hybrid"]
     train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + six), progress=False)
     run = tmp_path / "killed"
     kill_and_resume(run, rl_overrides(base_model, run) + six, after_step=2, last_step=6)

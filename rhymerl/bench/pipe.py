@@ -215,12 +215,12 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     rows_data = all_rows[: steps * batch]
     r = cfg.rollout
 
-    def requests(rows: list, step: int, record: bool = False) -> list:
+    def requests(rows: list, step: int) -> list:
         # Only the first epoch enters the history: every policy must plan and draft from the
         # same state, never from the steps being measured.
         return [RolloutRequest(encode_prompt(tok, row.prompt),
                                SamplingParams(n=N_SAMPLES, temperature=r.temperature, max_tokens=r.max_tokens),
-                               rollout_seed(cfg.seed, step, row.key), row.key, record=record) for row in rows]
+                               rollout_seed(cfg.seed, step, row.key), row.key) for row in rows]
 
     named = dict(load_pretrained(model).named_parameters())
     cores = os.cpu_count() or 1
@@ -228,7 +228,9 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     # epoch 1 (in one in-process worker) gives every prompt the history HistoPipe predicts from
     pool = make_pool("local", [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=0)], named)
     first = RolloutCoordinator(pool, policy="even", history=store, max_num_seqs=256)
-    first.rollout(requests(rows_data, 1, record=True), 1)
+    first_reqs = requests(rows_data, 1)
+    for q, o in zip(first_reqs, first.rollout(first_reqs, 1)):
+        store.add(q.prompt_key, q.prompt_ids, [c.token_ids for c in o.outputs], 1)
     pool.close()
     batches = [requests(rows_data[i * batch:(i + 1) * batch], 2 + i) for i in range(steps)]
     probe = requests(all_rows[steps * batch: steps * batch + 8], 0)  # calibration, apart from the steps

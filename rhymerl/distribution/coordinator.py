@@ -35,8 +35,6 @@ class RolloutRequest:
     ``samples`` limits the step to these sample indices (default: all ``params.n``), and
     ``prefixes`` gives some of them the tokens and log-probs they already have: they continue
     from there with the same seeded draws (a group paused at the end of the previous step).
-    ``record=False`` keeps the result out of the history store (the caller records it once the
-    group is whole).
     """
 
     prompt_ids: list[int]
@@ -45,7 +43,6 @@ class RolloutRequest:
     prompt_key: str | None = None
     samples: tuple[int, ...] | None = None
     prefixes: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
-    record: bool = True
 
     def sample_indices(self) -> list[int]:
         return list(range(self.params.n)) if self.samples is None else sorted(self.samples)
@@ -89,6 +86,7 @@ class RolloutCoordinator:
         self.complementary, self.migrate, self.tokenizer = complementary, migrate, tokenizer
         self.placement = placement
         self.stats = EngineStats()
+        self.source_stats: dict[str, float] = {}  # "accepted/<source>", "drafted/<source>", cumulative
         self.pipe = PipeStats()
         self.busy_s: dict[int, float] = defaultdict(float)  # engine time per worker, cumulative
         self.on_report: Callable[[WorkerHandle, WorkerReport], None] | None = None  # test hook
@@ -125,12 +123,7 @@ class RolloutCoordinator:
         ``on_done(i, output)`` is called as soon as request i has all its samples.
         """
         plan = plan or self.plan(requests, step)
-        outs = _StepRun(self, requests, step, plan, on_done).run()
-        if self.history is not None:
-            for r, o in zip(requests, outs):
-                if r.prompt_key is not None and o is not None and r.record and r.samples is None:
-                    self.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
-        return outs
+        return _StepRun(self, requests, step, plan, on_done).run()
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],
@@ -151,11 +144,12 @@ class RolloutCoordinator:
                 encode_prompt(self.tokenizer, pr)  # type: ignore[arg-type]
             seed = sp.seed if sp.seed is not None else i
             reqs.append(RolloutRequest(list(ids), sp, seed, prompt_keys[i] if prompt_keys else None))
-        hist, self.history = self.history, (self.history if prompt_keys else None)
-        try:
-            return self.rollout(reqs, step, plan=self.plan(reqs, step, policy=policy))
-        finally:
-            self.history = hist
+        outs = self.rollout(reqs, step, plan=self.plan(reqs, step, policy=policy))
+        if self.history is not None and prompt_keys:  # used standalone, it records like LLM.generate
+            for r, o in zip(reqs, outs):
+                if o.error is None and o.outputs:
+                    self.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
+        return outs
 
 
 class _StepRun:
@@ -240,6 +234,9 @@ class _StepRun:
         st = self.co.stats
         for k in ENGINE_COUNTERS:
             setattr(st, k, getattr(st, k) + rep.stats[k])
+        for k, v in rep.stats.items():
+            if "/" in k:  # per draft source ("accepted/<source>", "drafted/<source>")
+                self.co.source_stats[k] = self.co.source_stats.get(k, 0) + v
         self.co.busy_s[h.index] += rep.stats["step_s"]
         for it in rep.finished:
             p = self.item_prompt.pop(it.item_id)

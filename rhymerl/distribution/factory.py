@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
@@ -29,10 +29,7 @@ def in_process_worker(cfg: RunConfig) -> bool:
 def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     r = cfg.rollout
     R = r.workers
-    spec = r.speculative
-    speculative: dict[str, Any] | None = None
-    if spec.method != "none":
-        speculative = {"method": spec.method, **{k: v for k, v in vars(spec).items() if k != "method"}}
+    speculative = r.speculative if r.speculative.method != "none" else None
     device = cfg.model.device
     if device in ("auto", "cuda") and torch.cuda.is_available():
         devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(R)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.outputs import CompletionOutput
 from rhymerl.engine.sampling_params import SamplingParams
 
@@ -21,7 +22,7 @@ class WorkerSpec:
     max_model_len: int = 512
     device: str = "cpu"
     dtype: str = "float32"
-    speculative: dict[str, Any] | None = None  # build_proposer spec; history arrives with the work
+    speculative: SpecConfig | None = None  # history arrives with the work
     threads: int = 1  # torch intra-op threads of this worker (0: leave as they are)
     seed: int = 0
     invariant: bool = False  # shape-invariant numerics (rhymerl.model.invariant)

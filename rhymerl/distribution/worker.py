@@ -13,21 +13,17 @@ class RolloutWorker:
     """Runs work items on its engine; the same class backs the in-process, process and Ray workers."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from rhymerl.drafting import HistoryStore, build_proposer
         from rhymerl.engine import LLM
 
         if spec.threads > 0:  # 0: an in-process worker keeps the caller's threads
             torch.set_num_threads(spec.threads)
-        proposer = None
-        if spec.speculative and spec.speculative.get("method", "none") != "none":
-            sp = dict(spec.speculative)
-            sp["record"] = False  # the controller owns the history; this worker only drafts from it
-            proposer = build_proposer(sp, HistoryStore(max_rollouts=sp.get("history_epochs", 1)))
         self.llm = LLM(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
-                       device=spec.device, dtype=spec.dtype, speculative=proposer, seed=spec.seed,
+                       device=spec.device, dtype=spec.dtype, speculative=spec.speculative, seed=spec.seed,
                        invariant=spec.invariant)
         self.engine = self.llm.engine
-        self.store = getattr(proposer, "store", None)
+        # The controller owns the history: this worker's copy holds what arrives with its work
+        # (the engine is driven directly here, so nothing is recorded into it).
+        self.store = self.llm.history
         self._rid_item: dict[int, int] = {}
         self._item_rid: dict[int, int] = {}
         self._step: int | None = None
@@ -36,7 +32,12 @@ class RolloutWorker:
 
     def _counters(self) -> dict[str, float]:
         st = self.engine.stats
-        return {k: getattr(st, k) for k in ENGINE_COUNTERS}
+        out = {k: getattr(st, k) for k in ENGINE_COUNTERS}
+        prop = self.engine.proposer
+        for kind in ("accepted", "drafted"):  # per draft source: which source earned the tokens
+            for src, v in getattr(prop, f"{kind}_by_source", {}).items():
+                out[f"{kind}/{src}"] = v
+        return out
 
     def ping(self) -> int:
         import os
@@ -112,6 +113,6 @@ class RolloutWorker:
             else:
                 waiting.append((item, s.sample_index))
         now = self._counters()
-        stats: dict[str, Any] = {k: now[k] - self._mark[k] for k in ENGINE_COUNTERS}
+        stats: dict[str, Any] = {k: now[k] - self._mark.get(k, 0) for k in now}
         self._mark = now
         return WorkerReport(finished, running, waiting, stats)

@@ -1,28 +1,47 @@
-"""HistoSpec: speculative drafts from each prompt's history (and its live siblings)."""
+"""Drafting: draft sources (history, siblings, n-grams, a draft model, a draft head) under one
+controller that gates, sizes and picks drafts per request (:mod:`.controller`)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from rhymerl.drafting.drafter import DrafterConfig, HistoryDrafter
+from rhymerl.drafting.config import SpecConfig
+from rhymerl.drafting.controller import METHODS, SpecController, get_method
 from rhymerl.drafting.history import HistoryStore
-from rhymerl.drafting.ngram import NgramDrafter
+from rhymerl.drafting.source import SOURCES, Candidate, DraftSource, SourceContext, get_source, register_source
 from rhymerl.drafting.suffix_index import SuffixIndex
 
+# Importing the built-in sources registers them.
+from rhymerl.drafting import draft_head, draft_model, history_sources, ngram, siblings  # noqa: E402
 
-def build_proposer(spec: dict[str, Any], store: HistoryStore | None = None) -> HistoryDrafter:
-    """A proposer from ``{"method": "history" | "ngram", ...DrafterConfig fields}``."""
-    spec = dict(spec)
-    method = spec.pop("method", "history")
-    fields = DrafterConfig.__dataclass_fields__
-    unknown = sorted(set(spec) - set(fields) - {"prompt_lookup_min", "prompt_lookup_max"})
-    if unknown:
-        raise ValueError(f"speculative: unknown keys {unknown} (valid: {sorted(fields)})")
-    cfg = DrafterConfig(**{k: v for k, v in spec.items() if k in fields})
-    if method == "history":
-        return HistoryDrafter(cfg, store)
-    if method == "ngram":
-        return NgramDrafter(cfg, spec.get("prompt_lookup_min", 3), spec.get("prompt_lookup_max", 7))
-    raise ValueError(f"speculative.method {method!r} is not one of 'history', 'ngram'")
+def build_proposer(spec: SpecConfig | Mapping[str, Any], store: HistoryStore | None = None, *,
+                   target=None) -> SpecController:
+    """The engine's proposer for a speculation config (a :class:`SpecConfig` or its dict).
+
+    ``store`` is read, never written: whoever generates the history records it. ``target`` is
+    the model being drafted for (model sources share its embeddings, device and dtype)."""
+    cfg = SpecConfig.from_mapping(spec)
+    if store is None:
+        store = HistoryStore(max_rollouts=max(1, cfg.history_epochs))
+    return SpecController(cfg, store, target=target)
 
 
-__all__ = ["DrafterConfig", "HistoryDrafter", "HistoryStore", "NgramDrafter", "SuffixIndex", "build_proposer"]
+def source_names(cfg: SpecConfig) -> tuple[str, ...]:
+    """The draft sources a config uses (none for ``method: none``)."""
+    if cfg.method == "none":
+        return ()
+    return tuple(cfg.sources) if cfg.sources is not None else get_method(cfg.method)(cfg).sources
+
+
+def uses_history(cfg: SpecConfig) -> bool:
+    """Whether a config's sources read the history store."""
+    return any(n in ("prompt_history", "global_history") for n in source_names(cfg))
+
+
+def trains_draft_head(cfg: SpecConfig) -> bool:
+    """Whether drafts come (partly) from a draft head trained online (none loaded from a folder)."""
+    return cfg.draft_head is None and "draft_head" in source_names(cfg)
+
+
+__all__ = ["draft_head", "draft_model", "history_sources", "ngram", "siblings", "Candidate", "DraftSource", "HistoryStore", "METHODS", "SOURCES", "SourceContext", "SpecConfig",
+           "SpecController", "SuffixIndex", "build_proposer", "get_method", "get_source", "register_source",
+           "source_names", "trains_draft_head", "uses_history"]

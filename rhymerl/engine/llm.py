@@ -27,8 +27,10 @@ class LLM:
         max_model_len: prompt plus response tokens per sequence.
         kv_cache_tokens: KV memory budget in tokens (default: room for ``max_num_seqs``
             full-length sequences); fewer slots than ``max_num_seqs`` make requests wait.
-        speculative: ``None`` or a dict such as ``{"method": "history", "max_draft": 16}``
-            (see :func:`rhymerl.drafting.build_proposer`), or a ready :class:`Proposer`.
+        speculative: ``None``, a :class:`rhymerl.drafting.SpecConfig` or its dict, such as
+            ``{"method": "history", "max_draft": 16}`` or ``{"method": "draft_model",
+            "draft_model": PATH}``, or a ready :class:`Proposer`. With history sources this
+            LLM records each request's responses under its prompt key after ``generate``.
         seed: seeds the draws of requests whose ``SamplingParams.seed`` is None.
         invariant: shape-invariant numerics (:mod:`rhymerl.model.invariant`): a position's
             logits are bitwise the same at any batch size and slot, in prefill, decode and
@@ -51,6 +53,7 @@ class LLM:
             model = model.to(device=self.device, dtype=self.dtype)
         self.model: CausalLM = model.eval()
         self.tokenizer = tokenizer
+        self.history = None  # the store this LLM records into, when its drafts read history
         proposer = self._build_proposer(speculative)
         capacity = kv_capacity(max_model_len, proposer, invariant)
         num_slots = max_num_seqs if kv_cache_tokens is None else min(max_num_seqs, kv_cache_tokens // capacity)
@@ -77,12 +80,16 @@ class LLM:
             return None
         if hasattr(speculative, "propose"):
             return speculative  # type: ignore[return-value]
-        spec = dict(speculative)  # type: ignore[arg-type]
-        if spec.get("method", "none") == "none":
-            return None
-        from rhymerl.drafting import build_proposer
+        from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer, uses_history
 
-        return build_proposer(spec)
+        cfg = SpecConfig.from_mapping(speculative)  # type: ignore[arg-type]
+        if cfg.method == "none":
+            return None
+        if uses_history(cfg):
+            # A standalone LLM is its own history's one writer: each finished request's
+            # samples, recorded after generate() under the request's prompt key.
+            self.history = HistoryStore(max_rollouts=max(1, cfg.history_epochs))
+        return build_proposer(cfg, self.history, target=self.model)
 
     @property
     def proposer(self) -> Proposer | None:
@@ -134,7 +141,13 @@ class LLM:
             finished = self.engine.step()
             bar.update(len(finished))
         bar.close()
-        return [self.engine.pop_request(r) for r in rids]
+        outs = [self.engine.pop_request(r) for r in rids]
+        if self.history is not None and prompt_keys is not None:
+            label = step if step is not None else self._calls
+            for key, o in zip(prompt_keys, outs):
+                if o.error is None and o.outputs:
+                    self.history.add(key, o.prompt_token_ids, [c.token_ids for c in o.outputs], label)
+        return outs
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
@@ -146,6 +159,12 @@ class LLM:
         from rhymerl.model import hf_to_ours
 
         items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        learnt = {n: t for n, t in items.items() if n.startswith("draft_head.")}
+        if learnt:  # weights a draft source learns during RL travel with the policy's
+            if self.proposer is None or not hasattr(self.proposer, "load_source_state"):
+                raise KeyError(f"update_weights: {sorted(learnt)[0]!r} needs a draft_head source")
+            self.proposer.load_source_state(learnt)
+            items = {n: t for n, t in items.items() if n not in learnt}
         items = hf_to_ours(items, self.model.config).items()
         params = dict(self.model.named_parameters())
         if self.model.config.tie_word_embeddings:

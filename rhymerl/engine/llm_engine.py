@@ -58,7 +58,8 @@ class LLMEngine:
         self.proposer = proposer
         self.cache = KVCache(model.config, num_slots, kv_capacity(max_model_len, proposer, invariant), device,
                              dtype, value_ones=invariant)
-        self.runner = ModelRunner(model, self.cache, device, invariant=invariant)
+        self.runner = ModelRunner(model, self.cache, device, invariant=invariant,
+                                  keep_hidden=bool(getattr(proposer, "wants_hidden", False)))
         if proposer is not None and getattr(proposer, "wants_cost_model", False):
             from rhymerl.engine.cost_model import calibrate
 
@@ -197,6 +198,7 @@ class LLMEngine:
             still = {s.request_id for s in self.scheduler.waiting} | {g[0].request_id for g in groups}
             for rid in [r for r in kept if r not in still]:
                 del kept[rid]
+                self.runner.prompt_hidden.pop(rid, None)
         return cached
 
     def _check_stop(self, s: Sequence, n_new: int) -> bool:
@@ -239,4 +241,5 @@ class LLMEngine:
     def pop_request(self, rid: int) -> RequestOutput:
         self._seqs.pop(rid, None)
         self.runner.prompt_logits.pop(rid, None)
+        self.runner.prompt_hidden.pop(rid, None)
         return self.requests.pop(rid)

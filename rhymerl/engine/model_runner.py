@@ -64,20 +64,25 @@ def _logical_keys(lens: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor, ma
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, *, invariant: bool = False) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, *, invariant: bool = False,
+                 keep_hidden: bool = False) -> None:
         self.model, self.cache, self.device = model, cache, device
         self.invariant = invariant
+        # Keep each sequence's final hidden state at its last emitted token (a draft head reads it).
+        self.keep_hidden = keep_hidden
         self.num_forwards = 0
         # last-position logits of prompts whose samples are not all admitted yet
         self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.prompt_hidden: dict[int, torch.Tensor] = {}  # and their hidden states (keep_hidden)
         self.reused_prompts = 0  # groups admitted without a prompt forward
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView,
-                logits_index: torch.Tensor | None = None, key_pos: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, key_pos: torch.Tensor | None = None,
+                return_hidden: bool = False):
         """The model against the cache: the plain forward, or the shape-invariant one."""
         if self.invariant:
-            return invariant_forward(self.model, ids, positions, view, logits_index, key_pos)
-        return self.model(ids, positions, view, logits_index=logits_index)
+            return invariant_forward(self.model, ids, positions, view, logits_index, key_pos, return_hidden)
+        return self.model(ids, positions, view, logits_index=logits_index, return_hidden=return_hidden)
 
     @torch.inference_mode()
     def prefill(self, groups: list[list[Sequence]], cached: dict[int, int] | None = None) -> None:
@@ -106,7 +111,13 @@ class ModelRunner:
             mask = causal.expand(len(fresh), 1, T, T)
             view = self.cache.view(base, base + len(fresh), pos, mask)
             last = torch.tensor(lens, device=self.device).sub_(1).unsqueeze(1)
-            logits = self.forward(ids, pos, view, logits_index=last)[:, 0]  # [G, V]
+            logits = self.forward(ids, pos, view, logits_index=last, return_hidden=self.keep_hidden)
+            if self.keep_hidden:
+                logits, hidden = logits
+                for i, gi in enumerate(fresh):
+                    for s in groups[gi]:
+                        s.hidden = hidden[i, 0]
+            logits = logits[:, 0]  # [G, V]
             self.num_forwards += 1
             # Fan the prompt K/V out to every sample's slot; reverse order never overwrites a
             # prefill row before it is copied (row i is at base+i <= its group's first slot).
@@ -118,8 +129,13 @@ class ModelRunner:
                 g0 = groups[gi][0]
                 if not g0.resumed:
                     self.prompt_logits[g0.request_id] = logits[i]
+                    if self.keep_hidden:
+                        self.prompt_hidden[g0.request_id] = groups[gi][0].hidden
         for gi, src in cached.items():  # after the fresh rows: those may have passed through these slots
             g = groups[gi]
+            if self.keep_hidden:
+                for s in g:
+                    s.hidden = self.prompt_hidden.get(g[0].request_id)
             self.reused_prompts += 1
             self.cache.fan_out(src, g[0].slot, len(g), len(g[0].prompt_ids))
             logits_of[gi] = self.prompt_logits[g[0].request_id]
@@ -181,7 +197,10 @@ class ModelRunner:
         # numerics need the same keys in the same logical places as the branch's path decode).
         key_pos = _logical_keys(lens_d, anc, depth.to(dev), max_depth, kv_len) \
             if self.invariant and not chain else None
-        logits = self.forward(ids.to(dev), positions, view, key_pos=key_pos)  # [B, T, V]
+        logits = self.forward(ids.to(dev), positions, view, key_pos=key_pos, return_hidden=self.keep_hidden)
+        hidden = None
+        if self.keep_hidden:
+            logits, hidden = logits  # [B, T, V], [B, T, H]
         self.num_forwards += 1
         out_pos = gen.unsqueeze(1) + depth  # index of the output token drawn at each node
         batch = _sampling_batch(seqs, out_pos, dev)
@@ -189,15 +208,22 @@ class ModelRunner:
         drawn, logps = drawn.view(B, T), logps.view(B, T)
         if T == 1:
             emit_tok, emit_lp = drawn.tolist(), logps.tolist()
-            for s in seqs:
+            for b, s in enumerate(seqs):
                 s.cache_len += 1
+                if hidden is not None:
+                    s.hidden = hidden[b, 0]
             return DecodeResult(emit_tok, emit_lp, [0] * B, [0] * B)
         tokens_d = tokens.to(dev)
         path, n_acc = walk_tree(drawn, tokens_d, parents_d, depth.to(dev), anc, max_depth, chain=chain)
         self._keep_paths(lens_d, path, n_acc)
         # Emitted: the accepted drafts (tokens on the path after the root), then the token drawn
         # at the last accepted node; the log-prob of each is that drawn at its parent.
-        final = drawn.gather(1, path.gather(1, n_acc.unsqueeze(1)))
+        last_node = path.gather(1, n_acc.unsqueeze(1))
+        final = drawn.gather(1, last_node)
+        if hidden is not None:  # the state that drew the final token, per row
+            h_last = hidden.gather(1, last_node.unsqueeze(2).expand(-1, -1, hidden.shape[-1]))[:, 0]
+            for b, s in enumerate(seqs):
+                s.hidden = h_last[b]
         emit = torch.cat([tokens_d.gather(1, path[:, 1:]), final], 1).scatter_(1, n_acc.unsqueeze(1), final)
         emit_c, lp_c = emit.tolist(), logps.gather(1, path).tolist()
         n_acc_c = n_acc.tolist()

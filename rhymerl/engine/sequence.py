@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from rhymerl.engine.sampler import draw_key
 from rhymerl.engine.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ class Sequence:
     limit: int = 0  # most output tokens allowed (max_tokens and max_model_len)
     group_size: int = 0  # samples of this request in this engine (siblings + itself)
     resumed: bool = False  # started with a generated prefix (moved here from another worker)
+    hidden: Any = None  # the target's last hidden state at the last emitted token's position (draft heads)
     draw_key: int = field(init=False)  # hash of (seed, sample_index): the sampler's per-sequence half
 
     def __post_init__(self) -> None:

@@ -160,8 +160,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: CacheView | None = None, logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for ``input_ids [B, T]``.
+                cache: CacheView | None = None, logits_index: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits for ``input_ids [B, T]`` (and, with ``return_hidden``, the final hidden states
+        the logits were computed from, as a second result).
 
         ``positions [B, T]`` default to ``0..T-1``. With ``cache`` the new K/V are written to
         the cache and attention follows ``cache.attn_mask``; without it attention is causal
@@ -173,7 +175,7 @@ class CausalLM(nn.Module):
         h = self.model(input_ids, positions, cache)
         if logits_index is not None:
             h = h.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
-        return self.lm_head(h)
+        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic random init (normal for matrices, ones for norms, zero biases)."""

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from rhymerl.atomic_io import atomic_write_text, read_jsonl, rewrite_jsonl
 from rhymerl.config import ConfigError, RunConfig, load_config, save_config
+from rhymerl.drafting import trains_draft_head
 from rhymerl.data import PromptRow
 from rhymerl.data.filters import filter_rows
 from rhymerl.data.loader import PromptLoader
@@ -66,6 +67,15 @@ def ensure_base_model(cfg: RunConfig) -> Path:
     print(f"base model: none at {out}; training it from scratch (rhymerl sft)")
     print_card(run_sft(cfg, out), out)
     return out
+
+
+def ensure_draft_model(cfg: RunConfig) -> Path:
+    """The task's small draft model (``rhymerl sft --draft``), trained if missing."""
+    from rhymerl.training.sft import draft_config
+
+    d = draft_config(cfg)
+    d.model.path = None
+    return ensure_base_model(d)
 
 
 def rollout_seed(seed: int, step: int, key: str) -> int:
@@ -213,6 +223,7 @@ class RLRun:
         steps_per_update = cfg.trainer.ppo_epochs * cfg.trainer.ppo_mini_batches
         total = cfg.trainer.steps * steps_per_update
         self.trainer: PolicyTrainer | TrainerGroup
+        self.draft_head = None
         if distributed:
             from rhymerl.distribution import trainer_group
 
@@ -223,9 +234,16 @@ class RLRun:
                 self.rewards.close()
                 raise
         else:
+            self.draft_head = None
+            if trains_draft_head(cfg.rollout.speculative):
+                from rhymerl.training.draft_head_trainer import DraftHeadTrainer
+
+                self.draft_head = DraftHeadTrainer(self.model, cfg.rollout.speculative.draft_head_lr, self.device,
+                                                   seed=cfg.seed)
             self.trainer = PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref,
                                          total_optimizer_steps=total, temperature=cfg.rollout.temperature,
-                                         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+                                         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                         draft_head=self.draft_head)
         self.sync_bytes = sum(p.numel() * 4 for p in self.model.parameters())  # float32 to the workers
         spec = cfg.rollout.speculative
         self.history = None
@@ -239,7 +257,7 @@ class RLRun:
         from rhymerl.distribution.factory import build_coordinator
 
         try:
-            self.rollout = build_coordinator(cfg, base, dict(self.model.named_parameters()),
+            self.rollout = build_coordinator(cfg, base, self._named(),
                                              tokenizer=self.tokenizer, history=self.history)
         except BaseException:
             self.rewards.close()  # no reward or trainer processes left behind by a run that cannot start
@@ -326,7 +344,7 @@ class RLRun:
         return gate if isinstance(gate, list) else []
 
     def _after_restore(self, gate: list) -> None:
-        self.rollout.pool.update_weights(dict(self.model.named_parameters()))
+        self.rollout.pool.update_weights(self._named())
         self.worker_version = self.version
         self.rollout.pool.load_gate_states(gate)  # the workers' gates continue where they were
         self._truncate_logs()
@@ -361,10 +379,10 @@ class RLRun:
                                   logprobs=budget > 0 or self.staleness > 0)
 
         reqs = [RolloutRequest(encode_prompt(self.tokenizer, row.prompt), params(g.prefix_len()), g.seed, g.key,
-                               samples=tuple(sorted(g.paused)), prefixes=dict(g.paused), record=False)
+                               samples=tuple(sorted(g.paused)), prefixes=dict(g.paused))
                 for g, row in zip(carried, all_rows)]
         reqs += [RolloutRequest(encode_prompt(self.tokenizer, row.prompt), params(0),
-                                rollout_seed(self.cfg.seed, step, row.key), row.key, record=budget == 0)
+                                rollout_seed(self.cfg.seed, step, row.key), row.key)
                  for row in rows]
         limits = [min(r.max_tokens, r.max_model_len - len(q.prompt_ids)) for q in reqs]
         scored: dict[int, GroupScore] = {}
@@ -385,6 +403,7 @@ class RLRun:
         predicted = self._predict(all_rows)  # before this step's lengths join the history
         st, pipe = self.rollout.stats, self.rollout.pipe
         s0 = {k: getattr(st, k) for k in _SPEC_COUNTERS}
+        src0 = dict(self.rollout.source_stats)
         p0 = vars(pipe).copy()
         t = time.perf_counter()
         self.rollout.rollout(reqs, step, on_done=on_done)  # on_done sees every request
@@ -399,11 +418,13 @@ class RLRun:
                 since = carried[i].since_step if i < len(carried) else step
                 carry.append(CarriedGroup(all_rows[i].key, reqs[i].seed, since,
                                           [c for c in out.outputs if c.index not in paused], paused))
-            elif budget:
+            else:
                 if i < len(carried):
                     offpolicy += carried[i].offpolicy_tokens()
-                if self.history is not None:  # recorded once whole, as the coordinator does for the rest
-                    self.history.add(all_rows[i].key, reqs[i].prompt_ids, [c.token_ids for c in out.outputs], step)
+                if self.history is not None and out.error is None:
+                    # The history's one writer: each group once it is whole and scored, with its rewards.
+                    self.history.add(all_rows[i].key, reqs[i].prompt_ids, [c.token_ids for c in out.outputs], step,
+                                     scored[i].scores)
         extras: dict[str, list[float]] = {}
         for i in done:
             for k, v in scored[i].extras.items():
@@ -415,6 +436,7 @@ class RLRun:
                              gen_s=gen_s, reward_s=reward_s, carry=carry, offpolicy_tokens=offpolicy,
                              version=self.version if version is None else version,
                              stats={**{k: getattr(st, k) - s0[k] for k in _SPEC_COUNTERS},
+                                    **{f"src/{k}": v - src0.get(k, 0) for k, v in self.rollout.source_stats.items()},
                                     **{f"pipe/{k}": v - p0[k] for k, v in vars(pipe).items()}})
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
@@ -447,6 +469,14 @@ class RLRun:
             g.scores.append(res.score)
         return g
 
+    def _named(self) -> dict[str, torch.Tensor]:
+        """What the rollout workers receive: the policy's weights, and an online draft head's
+        (so it is never stale after a sync)."""
+        named = dict(self.model.named_parameters())
+        if self.draft_head is not None:
+            named.update(self.draft_head.named())
+        return named
+
     # --- versions of the policy (async RL) ---------------------------------------------------------
     def _version_for(self, step: int) -> int:
         """The policy version that draws step ``step``'s batch: a function of the step alone."""
@@ -461,13 +491,13 @@ class RLRun:
             oldest = step - self.staleness
             self.snapshots = {v: w for v, w in self.snapshots.items() if v >= oldest}
             if self.version >= oldest:
-                self.snapshots[self.version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+                self.snapshots[self.version] = {n: p.detach().clone() for n, p in self._named().items()}
 
     def _push(self, version: int) -> None:
         """The rollout workers to policy ``version`` (nothing to do if they hold it)."""
         if self.worker_version == version:
             return
-        named = dict(self.model.named_parameters()) if version == self.version else self.snapshots[version]
+        named = self._named() if version == self.version else self.snapshots[version]
         self.rollout.pool.update_weights(named)
         self.worker_version = version
 
@@ -543,9 +573,6 @@ class RLRun:
             kept_outs = kept_outs[: cfg.trainer.batch_prompts]
             kept_scores = kept_scores[: cfg.trainer.batch_prompts]
         self.carried = carry
-        if self.history is not None:
-            for row, g in zip(rows, scores):
-                self.history.set_rewards(row.key, step, g)
         epoch = self.loader.state.epoch  # the trained batch's (async draws the next one just below)
         if self.staleness and step < cfg.trainer.steps:
             self._launch(step + 1)  # generates while this batch trains
@@ -637,6 +664,12 @@ class RLRun:
         })
         metrics.update({f"reward_extra/{k}": float(np.mean(v)) for k, v in extras.items()})
         metrics.update({k: v for k, v in counts.items() if k.startswith("pipe/")})
+        for k, v in counts.items():  # per draft source: tokens accepted, and the head's acceptance
+            if k.startswith("src/accepted/"):
+                src = k[len("src/accepted/"):]
+                metrics[f"spec/accepted_tokens/{src}"] = v
+                if src == "draft_head":
+                    metrics["draft/accept_rate"] = v / max(1.0, counts.get(f"src/drafted/{src}", 0.0))
         if self.staleness:
             metrics["timing_s/wait_rollout"] = wait_s  # the rollout time the step still waited for
         metrics["pipe/workers"] = self.rollout.num_workers

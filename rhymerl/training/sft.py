@@ -34,6 +34,23 @@ def sft_output_dir(cfg: RunConfig) -> Path:
     return Path(cfg.sft.output_dir.format(task=cfg.data.task, seed=cfg.seed))
 
 
+# A draft model for the built-in tasks (``rhymerl sft --draft``): one narrow layer, the same
+# character tokenizer, trained on the same worked solutions as the base it drafts for.
+DRAFT_MODEL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1)
+
+
+def draft_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the draft model's architecture and its own output folder."""
+    import copy
+
+    d = copy.deepcopy(cfg)
+    for k, v in DRAFT_MODEL.items():
+        setattr(d.model, k, v)
+    d.sft.output_dir = cfg.sft.output_dir + "-draft"
+    return d
+
+
 def print_card(card: dict, out: Path) -> None:
     ls = card["response_length"]
     print(f"base model: {out}  ({card['params'] / 1e6:.2f}M params, {card['steps']} steps, "

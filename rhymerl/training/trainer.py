@@ -74,7 +74,7 @@ class PolicyTrainer:
                  ref_model: torch.nn.Module | None = None, total_optimizer_steps: int = 1,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, *,
                  rank: int = 0, world_size: int = 1,
-                 grad_sync: Callable[[bool], ContextManager[None]] | None = None) -> None:
+                 grad_sync: Callable[[bool], ContextManager[None]] | None = None, draft_head=None) -> None:
         self.model, self.cfg, self.algo, self.device, self.ref = model, trainer, algo, device, ref_model
         self.rank, self.world_size = rank, world_size
         # grad_sync(last) wraps a micro-batch's backward: gradients are reduced across ranks
@@ -89,6 +89,8 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lr_lambda(trainer, total_optimizer_steps))
         self.bad_steps = 0
+        # A draft head trained online on this trainer's hidden states (DraftHeadTrainer), or None.
+        self.draft_head = draft_head
 
     def _token_logp(self, model: torch.nn.Module, ids: torch.Tensor, with_entropy: bool = False):
         raw = model(ids)[:, :-1].float()
@@ -269,7 +271,13 @@ class PolicyTrainer:
                 mask = exp.response_mask[micro][:, : width - 1].to(self.device)
                 ntok = float(mask.sum())
                 adv = exp.advantages[micro].to(self.device).unsqueeze(1)
-                logp, ent = self._token_logp(self.model, ids, with_entropy=True)
+                with self.draft_head.watching() if self.draft_head is not None else contextlib.nullcontext():
+                    logp, ent = self._token_logp(self.model, ids, with_entropy=True)
+                if self.draft_head is not None:
+                    d_loss, d_correct, d_tok = self.draft_head.train_on(ids, mask)
+                    if d_tok:
+                        acc("draft/loss", d_loss / d_tok, d_tok)
+                        acc("draft/top1", d_correct / d_tok, d_tok)
                 old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
                 if exp.behav_logp is not None:
                     # Drawn by an older policy: the loss clips around ``old`` (the proximal policy)
@@ -316,6 +324,8 @@ class PolicyTrainer:
         ``torch.distributed.checkpoint`` of the model and optimizer (each rank its shard,
         keyed by parameter name, so another world size can read it back) and ``scheduler.pt``.
         """
+        if self.draft_head is not None:
+            self.draft_head.save(folder)
         if self.world_size == 1:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        folder / "optim.pt")
@@ -342,6 +352,8 @@ class PolicyTrainer:
                 self._load_sharded(sharded)
             else:
                 self._load_single(where)
+            if self.draft_head is not None:
+                self.draft_head.load(folder)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - any damage becomes one clear error

@@ -1,0 +1,325 @@
+"""The speculation controller: the engine's proposer over a set of draft sources.
+
+It owns what is common to every source: the batch gate (draft only what pays on this
+machine), each request's adaptive draft length, and the choice of source per request:
+
+- ``longest_match`` (HistoSpec): the index sources' longest matching context wins; equal
+  matches of merging sources pool their occurrences; fallback sources are asked only where
+  nothing matched as long as the pattern allows. From the winner's occurrences it follows
+  the heaviest branch (a path) or grows a best-first tree.
+- ``best_expected`` (hybrid): every source answers, and a request drafts from the one with
+  the highest expected accepted length: the candidate's own probabilities (occurrence
+  counts, or the model's) times that source's measured calibration (accepted over
+  expected, from what verification accepted).
+
+A method is a list of sources plus a rule, one line in :data:`METHODS`.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from rhymerl.drafting.config import SpecConfig
+from rhymerl.drafting.gate import AcceptanceEstimate, StepOverhead, best_width
+from rhymerl.drafting.length_policy import POLICIES
+from rhymerl.drafting.source import Candidate, DraftSource, SourceContext, get_source
+from rhymerl.drafting.tree_builder import draft_path, draft_tree
+from rhymerl.engine.cost_model import CostModel
+from rhymerl.engine.draft import DraftTree
+from rhymerl.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Method:
+    sources: tuple[str, ...]
+    rule: str  # longest_match | best_expected
+
+
+def _model_source(cfg: SpecConfig) -> tuple[str, ...]:
+    if cfg.draft_model:
+        return ("draft_model",)
+    if cfg.draft_head is not None or cfg.method in ("draft_head", "hybrid"):
+        return ("draft_head",)
+    return ()
+
+
+HISTORY = ("prompt_history", "siblings", "global_history")
+METHODS: dict[str, Any] = {
+    "history": lambda cfg: Method(HISTORY, "longest_match"),
+    "ngram": lambda cfg: Method(("ngram",), "longest_match"),
+    "draft_model": lambda cfg: Method(("draft_model",), "longest_match"),
+    "draft_head": lambda cfg: Method(("draft_head",), "longest_match"),
+    "hybrid": lambda cfg: Method(HISTORY + _model_source(cfg), "best_expected"),
+}
+
+
+def get_method(name: str):
+    if name not in METHODS:
+        raise ValueError(f"speculative.method {name!r} is not one of {sorted(METHODS) + ['none']}")
+    return METHODS[name]
+
+
+class Calibration:
+    """Per source: how many tokens verification accepted per token its probabilities expected
+    (EMA), so counts from a handful of occurrences and a model's confidence compare fairly."""
+
+    def __init__(self, prior: float = 0.7, decay: float = 0.95) -> None:
+        self.prior, self.decay = prior, decay
+        self.ratio: dict[str, float] = {}
+
+    def __call__(self, source: str) -> float:
+        return self.ratio.get(source, self.prior)
+
+    def update(self, source: str, expected: float, accepted: int) -> None:
+        if expected <= 0:
+            return
+        r = min(2.0, accepted / expected)
+        self.ratio[source] = self.decay * self(source) + (1 - self.decay) * r
+
+
+class SpecController:
+    """A :class:`rhymerl.engine.Proposer` drafting from ``sources`` (built from the config's
+    method when not given)."""
+
+    def __init__(self, cfg: SpecConfig | None = None, store=None, *, target=None,
+                 sources: list[DraftSource] | None = None, rule: str | None = None) -> None:
+        self.cfg = cfg = cfg or SpecConfig()
+        self.store = store
+        if sources is None:
+            method = get_method(cfg.method)(cfg)
+            names = tuple(cfg.sources) if cfg.sources is not None else method.sources
+            if not names:
+                raise ValueError(f"speculative.method {cfg.method!r}: no draft source (set draft_model or draft_head)")
+            ctx = SourceContext(cfg, store, target)
+            sources = [get_source(n)(ctx) for n in names]
+            rule = rule or method.rule
+        self.sources = sources
+        self.rule = rule or "longest_match"
+        if cfg.length_policy not in POLICIES:
+            raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {sorted(POLICIES)}")
+        self.policy, cap = POLICIES[cfg.length_policy]
+        self.cap = min(cap, cfg.max_draft)
+        self.max_nodes = max(cfg.tree_budget, self.cap)
+        for s in sources:
+            self.max_nodes = max(self.max_nodes, getattr(s, "max_nodes", 0))
+        self.wants_hidden = any(s.wants_hidden for s in sources)
+        self.cost_model: CostModel | None = None
+        self.acceptance = AcceptanceEstimate()
+        self.overhead = StepOverhead()
+        self.calibration = Calibration()
+        self.step = 0
+        self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
+        self._last: dict[int, tuple[str, int, float]] = {}  # id(seq) -> (source, depth, expected)
+        self.accepted_by_source: Counter[str] = Counter()
+        self.drafted_by_source: Counter[str] = Counter()
+
+    # --- engine hooks -----------------------------------------------------------------
+    @property
+    def wants_cost_model(self) -> bool:
+        return self.cfg.gate
+
+    def attach_cost_model(self, cost: CostModel) -> None:
+        self.cost_model = cost
+
+    def begin(self, step: int) -> None:
+        """A new rollout step: the history may have changed, so the acceptance estimate is
+        pulled halfway back to its prior and full drafts are expected again. (Relaxing only
+        when the store changed was tried: it kept the pessimism of a warm-up call and cost
+        15 % of tokens per forward in `bench spec`, for no gain in a first epoch.)"""
+        self.step = step
+        self.overhead = StepOverhead()  # fresh measurements per rollout step
+        self._fill = max(self._fill, 0.5)
+        self.acceptance.relax(0.5)
+        for s in self.sources:
+            s.begin(step)
+
+    def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
+        cfg = self.cfg
+        caps = []
+        for s in seqs:
+            if s.draft_len == 0:
+                s.draft_len = 2
+            caps.append(max(0, min(s.draft_len, self.cap, s.limit - len(s.output_ids) - 1)))
+        for src in self.sources:
+            src.prepare(seqs)
+        alpha = self.acceptance.alpha
+        over = self.overhead.factor(len(seqs))
+        # Before drafting anything: would drafts as full as they have recently been pay at this
+        # batch size, and up to how many tokens? Skip the drafting work that cannot pay.
+        expect = [round(c * self._fill) for c in caps]
+        k_pre = best_width(self.cost_model, expect, alpha, self.cap, over) if cfg.gate else self.cap
+        if k_pre == 0:
+            self._fill = 0.95 * self._fill + 0.05  # drift back, so that skipping is not permanent
+            return [None] * len(seqs)
+        if k_pre < max(expect):
+            caps = [min(c, k_pre) for c in caps]
+        drafts, chosen = self._draft(seqs, caps)
+        lengths = [len(d) if d is not None else 0 for d in drafts]
+        if sum(caps):
+            self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / sum(caps))
+        k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
+        if k == 0:
+            # The drafts found do not pay: expect less next time, so that the check above skips
+            # the drafting work until drafts may have grown (it drifts back up).
+            self._fill *= 0.5
+            return [None] * len(seqs)
+        out = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
+        self._last = {}
+        for s, d, c in zip(seqs, out, chosen):
+            if d is not None and c is not None:
+                self._last[id(s)] = (c[0], d.depth, sum(c[1][:len(d)]))
+        return out
+
+    def _draft(self, seqs: list[Sequence], caps: list[int]) -> tuple[list[DraftTree | None], list]:
+        """One draft per row (or None) and, per row, (source, node probabilities)."""
+        rows = [i for i, c in enumerate(caps) if c > 0]
+        best: dict[int, Candidate] = {}
+        options: dict[int, list[Candidate]] = {}
+        for src in self.sources:
+            ask = rows if not src.fallback else \
+                [i for i in rows if i not in best or best[i].match < self.cfg.pattern_max]
+            if not ask:
+                continue
+            got = src.propose(seqs, caps, ask)
+            for i, c in got.items():
+                if c.tree is not None:  # a model's tree: an option of its own
+                    options.setdefault(i, []).append(c)
+                    continue
+                b = best.get(i)
+                if b is None or c.match > b.match:
+                    best[i] = c
+                elif c.match == b.match and c.merge_ties and b.merge_ties:
+                    best[i] = Candidate(b.source, b.match, b.occurrences + c.occurrences, merge_ties=True)
+        drafts: list[DraftTree | None] = [None] * len(seqs)
+        chosen: list = [None] * len(seqs)
+        for i in rows:
+            cands = []
+            b = best.get(i)
+            if b is not None:
+                tree, probs = self._from_occurrences(b, caps[i])
+                if tree is not None:
+                    cands.append((b.source, tree, probs))
+            for c in options.get(i, []):
+                n = _prefix_within(c.tree, caps[i], self.cfg.tree_budget)
+                if n:
+                    cands.append((c.source, _truncate(c.tree, n), c.probs[:n]))
+            if not cands:
+                continue
+            if self.rule == "best_expected" and len(cands) > 1:
+                pick = max(cands, key=lambda x: self.calibration(x[0]) * sum(x[2]))
+            else:
+                pick = cands[0]
+            drafts[i], chosen[i] = pick[1], (pick[0], pick[2])
+        return drafts, chosen
+
+    def _from_occurrences(self, c: Candidate, cap: int) -> tuple[DraftTree | None, list[float]]:
+        cfg = self.cfg
+        if cfg.tree_budget > 0:
+            tree, probs = draft_tree(c.occurrences, min(cfg.tree_budget, max(cap, 1) * 2), cap, cfg.min_prob)
+            return (tree, probs) if len(tree) else (None, [])
+        toks, probs = draft_path(c.occurrences, cap, cfg.min_prob)
+        return (DraftTree.path(toks), probs) if toks else (None, [])
+
+    def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
+        # A tree is "fully accepted" when the walk reached its deepest level.
+        depths = []
+        for s, d, a in zip(seqs, drafted, accepted):
+            last = self._last.pop(id(s), None)
+            if last is None or not d:
+                depths.append(d)
+                continue
+            source, depth, expected = last
+            depths.append(depth)
+            self.calibration.update(source, expected, a)
+            self.accepted_by_source[source] += a
+            self.drafted_by_source[source] += d
+        self.acceptance.update(depths, accepted)
+        for s, d, a in zip(seqs, depths, accepted):
+            if d:
+                s.draft_len = self.policy(s.draft_len, d, a, cap=self.cap)
+
+    def observe_time(self, B: int, width: int, seconds: float) -> None:
+        """The engine's measured time of one decode step (drafting included), less the
+        one-off cost of building indices this step (amortised over the whole rollout)."""
+        build = 0.0
+        for s in self.sources:
+            build += getattr(s, "build_s", 0.0)
+            if hasattr(s, "build_s"):
+                s.build_s = 0.0
+        seconds = max(1e-9, seconds - build)
+        if self.cost_model is not None:
+            self.overhead.update(self.cost_model, B, width, seconds)
+
+    def on_finish(self, seq: Sequence) -> None:
+        for s in self.sources:
+            s.on_finish(seq)
+
+    def on_abort(self, seq: Sequence) -> None:
+        for s in self.sources:
+            s.on_abort(seq)
+
+    def source_state(self) -> dict[str, Any]:
+        """Named tensors the sources learn during RL (a draft head's weights)."""
+        out: dict[str, Any] = {}
+        for s in self.sources:
+            out.update(s.state())
+        return out
+
+    def load_source_state(self, named: dict[str, Any]) -> None:
+        for s in self.sources:
+            if hasattr(s, "load_state"):
+                s.load_state(named)
+
+    # --- the gate's state, for checkpoints ------------------------------------------------
+    def gate_state(self) -> dict:
+        """What the gate has learnt (acceptance, measured overheads, draft fill, and the cost
+        model measured at start-up), as plain data: a resumed run drafts as this one would."""
+        return {"acceptance": [self.acceptance.succ, self.acceptance.fail],
+                "overhead": {"plain": sorted(self.overhead.plain.items()), "spec": sorted(self.overhead.spec.items())},
+                "fill": self._fill,
+                "calibration": sorted(self.calibration.ratio.items()),
+                "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
+                if self.cost_model is not None else None}
+
+    def load_gate_state(self, state: dict) -> None:
+        """Inverse of :meth:`gate_state`; a malformed state is ignored with a warning (speed only)."""
+        try:
+            succ, fail = (float(x) for x in state["acceptance"])
+            plain = {int(b): float(r) for b, r in state["overhead"]["plain"]}
+            spec = {int(b): float(r) for b, r in state["overhead"]["spec"]}
+            fill = float(state["fill"])
+            calib = {str(k): float(v) for k, v in state.get("calibration", [])}
+            cost = None if state.get("cost") is None else \
+                CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("speculation gate state ignored (%s)", e)
+            return
+        self.acceptance.succ, self.acceptance.fail = succ, fail
+        self.overhead.plain, self.overhead.spec = plain, spec
+        self._fill = fill
+        self.calibration.ratio = calib
+        if cost is not None and self.cost_model is not None:
+            self.cost_model = cost
+
+
+def _prefix_within(tree: DraftTree | None, cap: int, tree_budget: int) -> int:
+    """How many of a model tree's nodes fit a row's cap: nodes no deeper than ``cap``, and
+    no more than the tree budget (a path's length when trees are off)."""
+    if tree is None:
+        return 0
+    n = 0
+    limit = max(tree_budget, cap)
+    for d in tree.depths:
+        if d > cap or n >= limit:
+            break
+        n += 1
+    return n
+
+
+def _truncate(d: DraftTree, k: int) -> DraftTree:
+    # Nodes are in best-first order with parents first, so any prefix is a valid tree.
+    return DraftTree(d.tokens[:k], d.parents[:k])

@@ -1,0 +1,103 @@
+"""What a draft source is, and the registry of them.
+
+A source looks at running sequences and returns, per sequence, candidate continuations with
+their weights: matched occurrences in an index (history, siblings, n-grams), or a token tree
+a model drafted with its own probabilities. The controller (:mod:`rhymerl.drafting.controller`)
+owns everything else: the batch gate, draft lengths, and which source a request drafts from.
+A new source is one class registered here under a name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from rhymerl.drafting.suffix_index import Occurrence
+from rhymerl.engine.draft import DraftTree
+
+if TYPE_CHECKING:
+    from rhymerl.drafting.config import SpecConfig
+    from rhymerl.drafting.history import HistoryStore
+    from rhymerl.engine.sequence import Sequence
+    from rhymerl.model import CausalLM
+
+
+@dataclass
+class Candidate:
+    """One source's answer for one sequence.
+
+    Index sources fill ``occurrences`` (continuations of the longest suffix of the context
+    they matched, ``match`` tokens long); model sources fill ``tree`` and ``probs`` (each
+    node's probability under the drafter, its parents' included)."""
+
+    source: str
+    match: int = 0
+    occurrences: list[Occurrence] = field(default_factory=list)
+    tree: DraftTree | None = None
+    probs: list[float] = field(default_factory=list)
+    merge_ties: bool = False  # an equally long match from another merging source adds its occurrences
+
+
+@dataclass
+class SourceContext:
+    """What a source may read when it is built: the config, the history (read only: the
+    training loop or the standalone ``LLM`` owns it), and the target model (model sources
+    share its embeddings, device and dtype)."""
+
+    cfg: "SpecConfig"
+    store: "HistoryStore | None" = None
+    target: "CausalLM | None" = None
+
+
+class DraftSource:
+    """Base class: a source answers :meth:`propose`; the hooks default to nothing."""
+
+    name = "source"
+    fallback = False  # asked only for rows whose best match so far is shorter than pattern_max
+    wants_hidden = False  # needs the target's last hidden state per sequence (Sequence.hidden)
+
+    def propose(self, seqs: list["Sequence"], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
+        """Candidates for ``seqs[i]``, ``i`` in ``rows`` (rows with ``caps[i] > 0``)."""
+        out = {}
+        for i in rows:
+            c = self.candidate(seqs[i], caps[i])
+            if c is not None:
+                out[i] = c
+        return out
+
+    def candidate(self, seq: "Sequence", cap: int) -> Candidate | None:
+        raise NotImplementedError
+
+    def prepare(self, seqs: list["Sequence"]) -> None:
+        """Every decode step, before the gate decides (cheap bookkeeping only)."""
+
+    def begin(self, step: int) -> None:
+        """A new rollout step starts (the history may have changed)."""
+
+    def on_finish(self, seq: "Sequence") -> None:
+        """A sequence finished here."""
+
+    def on_abort(self, seq: "Sequence") -> None:
+        """A sequence left this engine unfinished (moved to another worker)."""
+        self.on_finish(seq)
+
+    def state(self) -> dict[str, Any]:
+        """Named tensors this source learns during RL (pushed with the policy's weights)."""
+        return {}
+
+
+SOURCES: dict[str, Callable[[SourceContext], DraftSource]] = {}
+
+
+def register_source(name: str) -> Callable[[type], type]:
+    """Class decorator: ``@register_source("ngram")`` makes the class buildable by name."""
+    def wrap(cls: type) -> type:
+        cls.name = name
+        SOURCES[name] = cls
+        return cls
+    return wrap
+
+
+def get_source(name: str) -> Callable[[SourceContext], DraftSource]:
+    if name not in SOURCES:
+        raise ValueError(f"speculative source {name!r} is not one of {sorted(SOURCES)}")
+    return SOURCES[name]
