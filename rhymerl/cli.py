@@ -61,7 +61,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["prompts"] = ns.prompts
         if ns.gate != "both":
             kw["gates"] = (ns.gate == "on",)
-        for key in ("draft_model", "draft_head"):
+        for key in ("model", "draft_model", "draft_head"):
             if getattr(ns, key):
                 kw[key] = getattr(ns, key)
         if ns.methods:
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--prompts", type=int, help="spec: how many prompts (default 32)")
     b.add_argument("--gate", choices=["both", "on", "off"], default="both",
                    help="spec: rows with the batch gate, without it (the draft sources alone), or both")
+    b.add_argument("--model", help="spec: the target (default: the main job's newest policy, or its base)")
     b.add_argument("--draft-model", help="spec: a draft model folder (default: the task's, trained if missing)")
     b.add_argument("--draft-head", help="spec: a saved draft head (default: the main job's newest checkpoint's)")
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")

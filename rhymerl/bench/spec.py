@@ -52,7 +52,7 @@ def rank_moves(prev_len: list[float], cur_len: list[float], groups: int = 4) -> 
 
 
 METHODS = ("none", "ngram", "suffix_global", "suffix_per_prompt", "arctic_global", "arctic_per_prompt",
-           "histospec_path", "histospec_tree", "draft_model", "draft_model_greedy", "draft_head", "hybrid")
+           "histospec_path", "histospec_tree", "draft_model", "draft_model_greedy", "draft_head", "hybrid", "hybrid_tree")
 
 
 def _proposer(method: str, store: HistoryStore, target, *, max_draft: int, gate: bool,
@@ -84,11 +84,13 @@ def _proposer(method: str, store: HistoryStore, target, *, max_draft: int, gate:
         if draft_head is None:
             raise LookupError("no trained draft head (train with rollout.speculative.method=hybrid or draft_head)")
         return build_proposer(base.with_(method="draft_head", draft_head=draft_head), store, target=target)
-    if method == "hybrid":
+    if method in ("hybrid", "hybrid_tree"):
         if draft_model is None and draft_head is None:
             raise LookupError("no model source for the hybrid")
         return build_proposer(base.with_(method="hybrid", draft_model=draft_model,
-                                         draft_head=None if draft_model else draft_head), store, target=target)
+                                         draft_head=None if draft_model else draft_head,
+                                         tree_budget=2 * max_draft if method == "hybrid_tree" else 0),
+                              store, target=target)
     raise ValueError(method)
 
 
@@ -176,6 +178,9 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
              max_draft: int, max_num_seqs: int, draft_model: str | None, draft_head: str | None, reps: int,
              target_loader) -> list[dict[str, Any]]:
     """Every method on one epoch's prompts and seeds (the same tokens as ``reference``)."""
+    from rhymerl.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
     engines: dict[str, tuple[LLM, Any]] = {}
     for method in methods:
         target = target_loader()
@@ -185,7 +190,7 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
         except (ImportError, LookupError) as e:
             print(f"  T={temp} epoch {epoch} gate={gate} {method}: skipped ({e})")
             continue
-        llm = LLM(target, max_num_seqs=max_num_seqs, max_model_len=256, speculative=prop)
+        llm = LLM(target, tokenizer=tokenizer, max_num_seqs=max_num_seqs, max_model_len=256, speculative=prop)
         llm.generate([rows[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         engines[method] = (llm, prop)
 

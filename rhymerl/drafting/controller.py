@@ -210,9 +210,14 @@ class SpecController:
             if not cands:
                 continue
             if self.rule == "best_expected" and len(cands) > 1:
-                pick = max(cands, key=lambda x: self.calibration(x[0]) * sum(x[2]))
-            else:
-                pick = cands[0]
+                cands.sort(key=lambda x: -self.calibration(x[0]) * sum(x[2]))
+                if self.cfg.tree_budget > 0:
+                    # Room for a tree: every source's draft as branches of one tree (verification
+                    # takes whichever branch the target draws), best nodes first.
+                    tree, probs = union_tree([(t, [self.calibration(src) * q for q in pr]) for src, t, pr in cands],
+                                             self.cfg.tree_budget)
+                    cands = [(cands[0][0], tree, probs)]
+            pick = cands[0]
             drafts[i], chosen[i] = pick[1], (pick[0], pick[2])
         return drafts, chosen
 
@@ -304,6 +309,51 @@ class SpecController:
         self.calibration.ratio = calib
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
+
+
+def union_tree(trees: list[tuple[DraftTree, list[float]]], budget: int) -> tuple[DraftTree, list[float]]:
+    """Merge draft trees into one (shared prefixes once; a node keeps its highest probability)
+    and keep the ``budget`` most probable nodes. A node is never more probable than its parent
+    within a tree, so ordering by probability (then depth) puts parents first."""
+    tok: list[int] = []
+    par: list[int] = []
+    prob: list[float] = []
+    depth: list[int] = []
+    at: dict[tuple[int, int], int] = {}
+    for tree, probs in trees:
+        where: list[int] = []
+        for t, p, q, d in zip(tree.tokens, tree.parents, probs, tree.depths):
+            mp = where[p] if p >= 0 else -1
+            j = at.get((mp, t))
+            if j is None:
+                j = at[(mp, t)] = len(tok)
+                tok.append(t)
+                par.append(mp)
+                prob.append(q)
+                depth.append(d)
+            else:
+                prob[j] = max(prob[j], q)
+            where.append(j)
+    for j in range(len(tok)):  # a parent is at least as probable as any child it has
+        k = par[j]
+        while k >= 0 and prob[k] < prob[j]:
+            prob[k] = prob[j]
+            k = par[k]
+    order = sorted(range(len(tok)), key=lambda j: (-prob[j], depth[j], j))[:budget]
+    keep = set(order)
+    order = [j for j in order if _ancestors_kept(j, par, keep)]
+    new = {j: n for n, j in enumerate(order)}
+    return (DraftTree(tuple(tok[j] for j in order), tuple(new[par[j]] if par[j] >= 0 else -1 for j in order)),
+            [prob[j] for j in order])
+
+
+def _ancestors_kept(j: int, par: list[int], keep: set[int]) -> bool:
+    k = par[j]
+    while k >= 0:
+        if k not in keep:
+            return False
+        k = par[k]
+    return True
 
 
 def _prefix_within(tree: DraftTree | None, cap: int, tree_budget: int) -> int:
