@@ -155,3 +155,16 @@ def test_hybrid_picks_a_source_per_request_and_keeps_tokens(target_dir):
     assert got == ref
     acc = prop.accepted_by_source
     assert acc["draft_model"] > 0 and acc["prompt_history"] + acc["siblings"] > 0, dict(acc)
+
+
+def test_union_tree_shares_prefixes_and_keeps_the_best_nodes():
+    from rhymerl.drafting.controller import union_tree
+    from rhymerl.engine.draft import DraftTree
+
+    a = DraftTree.path([5, 6, 7])
+    b = DraftTree((5, 9, 8), (-1, 0, -1))  # 5 -> 9, and 8 beside 5
+    tree, probs = union_tree([(a, [0.9, 0.8, 0.3]), (b, [0.95, 0.5, 0.2])], budget=4)
+    nodes = {(tree.parents[i], t) for i, t in enumerate(tree.tokens)}
+    assert tree.tokens[0] == 5 and probs[0] == 0.95  # shared once, at its best probability
+    assert len(tree) == 4 and (0, 6) in nodes and (0, 9) in nodes and (1, 7) in nodes and (-1, 8) not in nodes
+    assert probs == sorted(probs, reverse=True)
