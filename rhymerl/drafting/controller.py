@@ -17,6 +17,7 @@ A method is a list of sources plus a rule, one line in :data:`METHODS`.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,12 @@ class SpecController:
         self.calibration = Calibration()
         self.step = 0
         self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
+        # Seconds of drafting per step, per (batch-size bucket, source), EMA: the gate charges
+        # it before drafting (a draft model's forwards are a real cost on a CPU).
+        self.draft_cost: dict[tuple[int, str], float] = {}
+        cheap = [s for s in sources if not s.runs_a_model]
+        self._source_sets = [sources] + ([cheap] if cheap and len(cheap) < len(sources) else [])
+        self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
         self._last: dict[int, tuple[str, int, float]] = {}  # id(seq) -> (source, depth, expected)
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
@@ -148,16 +155,31 @@ class SpecController:
             src.prepare(seqs)
         alpha = self.acceptance.alpha
         over = self.overhead.factor(len(seqs))
+        bucket = len(seqs).bit_length()
+        self._draft_s = 0.0
         # Before drafting anything: would drafts as full as they have recently been pay at this
-        # batch size, and up to how many tokens? Skip the drafting work that cannot pay.
+        # batch size, the drafting itself (as long as each source recently took here) included,
+        # and up to how many tokens? First with every source, then without the ones that run a
+        # model (the cheap index sources may pay where a draft model's forwards do not). Skip
+        # the drafting work that cannot pay.
         expect = [round(c * self._fill) for c in caps]
-        k_pre = best_width(self.cost_model, expect, alpha, self.cap, over) if cfg.gate else self.cap
+        sources, k_pre = self.sources, self.cap
+        if cfg.gate:
+            k_pre = 0
+            for option in self._source_sets:
+                d_s = sum(self.draft_cost.get((bucket, src.name), 0.0) for src in option)
+                k_pre = best_width(self.cost_model, expect, alpha, self.cap, over, d_s)
+                if k_pre:
+                    sources = option
+                    break
         if k_pre == 0:
             self._fill = 0.95 * self._fill + 0.05  # drift back, so that skipping is not permanent
             return [None] * len(seqs)
         if k_pre < max(expect):
             caps = [min(c, k_pre) for c in caps]
-        drafts, chosen = self._draft(seqs, caps)
+        t0 = time.perf_counter()
+        drafts, chosen = self._draft(seqs, caps, sources, bucket)
+        self._draft_s = time.perf_counter() - t0
         lengths = [len(d) if d is not None else 0 for d in drafts]
         if sum(caps):
             self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / sum(caps))
@@ -174,17 +196,23 @@ class SpecController:
                 self._last[id(s)] = (c[0], d.depth, sum(c[1][:len(d)]))
         return out
 
-    def _draft(self, seqs: list[Sequence], caps: list[int]) -> tuple[list[DraftTree | None], list]:
-        """One draft per row (or None) and, per row, (source, node probabilities)."""
+    def _draft(self, seqs: list[Sequence], caps: list[int], sources: list[DraftSource],
+               bucket: int) -> tuple[list[DraftTree | None], list]:
+        """One draft per row (or None) and, per row, (source, node probabilities); each
+        source's time is measured (less one-off index building) for the gate."""
         rows = [i for i, c in enumerate(caps) if c > 0]
         best: dict[int, Candidate] = {}
         options: dict[int, list[Candidate]] = {}
-        for src in self.sources:
+        for src in sources:
             ask = rows if not src.fallback else \
                 [i for i in rows if i not in best or best[i].match < self.cfg.pattern_max]
             if not ask:
                 continue
+            t0, b0 = time.perf_counter(), getattr(src, "build_s", 0.0)
             got = src.propose(seqs, caps, ask)
+            spent = max(0.0, time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0))
+            old = self.draft_cost.get((bucket, src.name))
+            self.draft_cost[(bucket, src.name)] = spent if old is None else 0.8 * old + 0.2 * spent
             for i, c in got.items():
                 if c.tree is not None:  # a model's tree: an option of its own
                     options.setdefault(i, []).append(c)
@@ -255,7 +283,7 @@ class SpecController:
             build += getattr(s, "build_s", 0.0)
             if hasattr(s, "build_s"):
                 s.build_s = 0.0
-        seconds = max(1e-9, seconds - build)
+        seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)
 
@@ -287,6 +315,7 @@ class SpecController:
                 "overhead": {"plain": sorted(self.overhead.plain.items()), "spec": sorted(self.overhead.spec.items())},
                 "fill": self._fill,
                 "calibration": sorted(self.calibration.ratio.items()),
+                "draft_cost": sorted([b, n, v] for (b, n), v in self.draft_cost.items()),
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
@@ -298,6 +327,7 @@ class SpecController:
             spec = {int(b): float(r) for b, r in state["overhead"]["spec"]}
             fill = float(state["fill"])
             calib = {str(k): float(v) for k, v in state.get("calibration", [])}
+            dcost = {(int(b), str(n)): float(v) for b, n, v in state.get("draft_cost", [])}
             cost = None if state.get("cost") is None else \
                 CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
         except (KeyError, TypeError, ValueError) as e:
@@ -307,6 +337,7 @@ class SpecController:
         self.overhead.plain, self.overhead.spec = plain, spec
         self._fill = fill
         self.calibration.ratio = calib
+        self.draft_cost = dcost
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
 

@@ -96,6 +96,7 @@ def load_head(folder: str | Path, hidden_size: int | None = None) -> DraftHead:
 @register_source("draft_head")
 class DraftHeadSource(DraftSource):
     wants_hidden = True
+    runs_a_model = True
 
     def __init__(self, ctx: SourceContext, head: DraftHead | None = None) -> None:
         cfg, target = ctx.cfg, ctx.target

@@ -75,6 +75,8 @@ def check_same_tokenizer(draft_path: str | Path, target_path: str | Path) -> Non
 
 @register_source("draft_model")
 class DraftModelSource(DraftSource):
+    runs_a_model = True
+
     def __init__(self, ctx: SourceContext, model: CausalLM | None = None) -> None:
         cfg = ctx.cfg
         if model is None:

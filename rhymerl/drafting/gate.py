@@ -23,11 +23,12 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 
 def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: int,
-               overhead: float = 1.0) -> int:
+               overhead: float = 1.0, draft_s: float = 0.0) -> int:
     """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``.
 
     ``overhead`` scales the cost of a speculative step relative to a plain one beyond what
-    the forward alone costs (drafting, tree bookkeeping, verification), as measured online.
+    the forward alone costs (tree bookkeeping, verification), as measured online; ``draft_s``
+    is the drafting work still to be done for this step, in seconds (0 once drafts exist).
     """
     if cost is None or not lengths:
         return max_k
@@ -41,7 +42,7 @@ def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: 
         if k == 0 or k > max_k:
             continue
         gain = B + sum(f[min(k, n)] * c for n, c in counts.items())
-        rate = gain / (cost.cost(B, min(k, top) + 1) * overhead)
+        rate = gain / (cost.cost(B, min(k, top) + 1) * overhead + draft_s)
         if rate > best_rate * 1.02:  # a margin: do not speculate for a rounding error
             best_k, best_rate = k, rate
     return best_k

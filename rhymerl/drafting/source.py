@@ -54,6 +54,7 @@ class DraftSource:
     name = "source"
     fallback = False  # asked only for rows whose best match so far is shorter than pattern_max
     wants_hidden = False  # needs the target's last hidden state per sequence (Sequence.hidden)
+    runs_a_model = False  # drafting costs forwards of a model (the gate may leave it out alone)
 
     def propose(self, seqs: list["Sequence"], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
         """Candidates for ``seqs[i]``, ``i`` in ``rows`` (rows with ``caps[i] > 0``)."""
