@@ -119,7 +119,9 @@ def test_rl_speculation_on_off_identical(base_model, tmp_path, temperature, extr
     train(load_config(None, rl_overrides(base_model, tmp_path / "off") + common
                       + ["rollout.speculative.method=none"]), progress=False)
     ref = learning_metrics(tmp_path / "off")
-    variants = {"path": ["rollout.speculative.gate=true"]}
+    # Ungated, so drafts are made and verified whatever this machine's costs say (the gate, which
+    # charges drafting time, may rightly skip them on a tiny model); the gate never changes tokens.
+    variants = {"path": ["rollout.speculative.gate=false"]}
     if temperature == "1.0" and not extra:
         variants["tree"] = ["rollout.speculative.tree_budget=8"]
     for name, ov in variants.items():
