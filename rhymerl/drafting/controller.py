@@ -173,7 +173,11 @@ class SpecController:
                     sources = option
                     break
         if k_pre == 0:
-            self._fill = 0.95 * self._fill + 0.05  # drift back, so that skipping is not permanent
+            # Drift back (fuller drafts, cheaper drafting), so that skipping is not permanent: a
+            # cost measured once, when drafting was slow, must not switch it off for good.
+            self._fill = 0.95 * self._fill + 0.05
+            for key in [k for k in self.draft_cost if k[0] == bucket]:
+                self.draft_cost[key] *= 0.95
             return [None] * len(seqs)
         if k_pre < max(expect):
             caps = [min(c, k_pre) for c in caps]
