@@ -14,7 +14,7 @@ from rhymerl.drafting.suffix_index import SuffixIndex
 from rhymerl.drafting import draft_head, draft_model, history_sources, ngram, siblings  # noqa: E402
 
 def build_proposer(spec: SpecConfig | Mapping[str, Any], store: HistoryStore | None = None, *,
-                   target=None) -> SpecController:
+                   target=None, target_path: str | None = None) -> SpecController:
     """The engine's proposer for a speculation config (a :class:`SpecConfig` or its dict).
 
     ``store`` is read, never written: whoever generates the history records it. ``target`` is
@@ -22,7 +22,7 @@ def build_proposer(spec: SpecConfig | Mapping[str, Any], store: HistoryStore | N
     cfg = SpecConfig.from_mapping(spec)
     if store is None:
         store = HistoryStore(max_rollouts=max(1, cfg.history_epochs))
-    return SpecController(cfg, store, target=target)
+    return SpecController(cfg, store, target=target, target_path=target_path)
 
 
 def source_names(cfg: SpecConfig) -> tuple[str, ...]:

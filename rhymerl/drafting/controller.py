@@ -86,7 +86,7 @@ class SpecController:
     """A :class:`rhymerl.engine.Proposer` drafting from ``sources`` (built from the config's
     method when not given)."""
 
-    def __init__(self, cfg: SpecConfig | None = None, store=None, *, target=None,
+    def __init__(self, cfg: SpecConfig | None = None, store=None, *, target=None, target_path: str | None = None,
                  sources: list[DraftSource] | None = None, rule: str | None = None) -> None:
         self.cfg = cfg = cfg or SpecConfig()
         self.store = store
@@ -95,7 +95,7 @@ class SpecController:
             names = tuple(cfg.sources) if cfg.sources is not None else method.sources
             if not names:
                 raise ValueError(f"speculative.method {cfg.method!r}: no draft source (set draft_model or draft_head)")
-            ctx = SourceContext(cfg, store, target)
+            ctx = SourceContext(cfg, store, target, target_path)
             sources = [get_source(n)(ctx) for n in names]
             rule = rule or method.rule
         self.sources = sources
@@ -298,13 +298,6 @@ class SpecController:
     def on_abort(self, seq: Sequence) -> None:
         for s in self.sources:
             s.on_abort(seq)
-
-    def source_state(self) -> dict[str, Any]:
-        """Named tensors the sources learn during RL (a draft head's weights)."""
-        out: dict[str, Any] = {}
-        for s in self.sources:
-            out.update(s.state())
-        return out
 
     def load_source_state(self, named: dict[str, Any]) -> None:
         for s in self.sources:

@@ -22,15 +22,19 @@ def draw(logits: torch.Tensor, params: SamplingBatch, position: torch.Tensor, co
     """Per row: the drafted token (coupled: the target's uniform at output ``position`` inverted
     through the drafter's distribution; else the drafter's argmax), its probability under the
     drafter, and the drafter's best other token with its probability."""
-    lp = logits.float().log_softmax(-1)
+    logits = logits.float()
+    top2 = logits.topk(2, dim=-1)  # the order of the log-softmax, without computing it
     if coupled:
-        tok, _ = sample(logits, SamplingBatch(params.temperature, params.top_p, params.top_k, params.key, position))
+        tok, logp = sample(logits, SamplingBatch(params.temperature, params.top_p, params.top_k, params.key, position))
+        p = logp.exp()
     else:
-        tok = lp.argmax(-1)
-    top2 = lp.topk(2, dim=-1)
-    alt = torch.where(top2.indices[:, 0] == tok, top2.indices[:, 1], top2.indices[:, 0])
-    p = lp.gather(1, tok.unsqueeze(1)).squeeze(1).exp()
-    pa = lp.gather(1, alt.unsqueeze(1)).squeeze(1).exp()
+        tok = top2.indices[:, 0]
+    alt_first = top2.indices[:, 0] == tok
+    alt = torch.where(alt_first, top2.indices[:, 1], top2.indices[:, 0])
+    lse = logits.logsumexp(-1)
+    if not coupled:
+        p = (top2.values[:, 0] - lse).exp()
+    pa = (torch.where(alt_first, top2.values[:, 1], top2.values[:, 0]) - lse).exp()
     return tok, p, alt, pa
 
 

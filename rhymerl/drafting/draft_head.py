@@ -113,9 +113,6 @@ class DraftHeadSource(DraftSource):
         self.trees = cfg.tree_budget > 0
         self.max_nodes = 2 * self.k if self.trees else self.k
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return {PREFIX + n: p for n, p in self.head.named_parameters()}
-
     @torch.no_grad()
     def load_state(self, named: dict[str, torch.Tensor]) -> None:
         params = dict(self.head.named_parameters())

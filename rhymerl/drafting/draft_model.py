@@ -85,6 +85,8 @@ class DraftModelSource(DraftSource):
             if ctx.target is None:
                 raise ValueError("speculative.draft_model: needs the target model (build it through LLM)")
             model = load_draft_model(cfg.draft_model, ctx.target)
+            if ctx.target_path is not None:
+                check_same_tokenizer(cfg.draft_model, ctx.target_path)
         self.model = model
         self.k = max(1, cfg.draft_max)
         self.coupled = cfg.coupled

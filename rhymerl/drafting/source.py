@@ -9,7 +9,7 @@ A new source is one class registered here under a name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from rhymerl.drafting.suffix_index import Occurrence
 from rhymerl.engine.draft import DraftTree
@@ -46,6 +46,7 @@ class SourceContext:
     cfg: "SpecConfig"
     store: "HistoryStore | None" = None
     target: "CausalLM | None" = None
+    target_path: str | None = None  # the target's folder, when it was loaded from one (tokenizer checks)
 
 
 class DraftSource:
@@ -80,10 +81,6 @@ class DraftSource:
     def on_abort(self, seq: "Sequence") -> None:
         """A sequence left this engine unfinished (moved to another worker)."""
         self.on_finish(seq)
-
-    def state(self) -> dict[str, Any]:
-        """Named tensors this source learns during RL (pushed with the policy's weights)."""
-        return {}
 
 
 SOURCES: dict[str, Callable[[SourceContext], DraftSource]] = {}

@@ -43,6 +43,7 @@ class LLM:
                  seed: int = 0, invariant: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
+        self._path = str(model) if isinstance(model, (str, Path)) else None
         if isinstance(model, (str, Path)):
             from rhymerl.tokenizer import load_tokenizer
 
@@ -89,7 +90,7 @@ class LLM:
             # A standalone LLM is its own history's one writer: each finished request's
             # samples, recorded after generate() under the request's prompt key.
             self.history = HistoryStore(max_rollouts=max(1, cfg.history_epochs))
-        return build_proposer(cfg, self.history, target=self.model)
+        return build_proposer(cfg, self.history, target=self.model, target_path=self._path)
 
     @property
     def proposer(self) -> Proposer | None:
