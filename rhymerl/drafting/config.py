@@ -45,9 +45,6 @@ class SpecConfig:
             raise ValueError(f"speculative: unknown keys {unknown} (valid: {sorted(names)})")
         return cls(**dict(spec))
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def with_(self, **changes: Any) -> "SpecConfig":
         return SpecConfig(**{**asdict(self), **changes})
 

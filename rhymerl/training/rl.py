@@ -234,7 +234,6 @@ class RLRun:
                 self.rewards.close()
                 raise
         else:
-            self.draft_head = None
             if trains_draft_head(cfg.rollout.speculative):
                 from rhymerl.training.draft_head_trainer import DraftHeadTrainer
 
@@ -244,7 +243,7 @@ class RLRun:
                                          total_optimizer_steps=total, temperature=cfg.rollout.temperature,
                                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                          draft_head=self.draft_head)
-        self.sync_bytes = sum(p.numel() * 4 for p in self.model.parameters())  # float32 to the workers
+        self.sync_bytes = sum(p.numel() * 4 for p in self._named().values())  # float32 to the workers (head too)
         spec = cfg.rollout.speculative
         self.history = None
         if spec.method != "none" or cfg.rollout.schedule == "histopipe":
