@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 
 from rhymerl.drafting.config import SpecConfig
+from rhymerl.scheduling.length_predictor import STATS
+from rhymerl.scheduling.planner import PLACEMENTS
 
 
 class ConfigError(ValueError):
@@ -89,7 +91,7 @@ class RolloutSection:
     backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
     schedule: str = "histopipe"  # even | least_loaded | histopipe
     length_stat: str = "mean"  # how a prompt's previous lengths predict its next: mean | median | max | p75
-    placement: str = "auto"  # histopipe groups: lpt | contiguous (the paper's) | auto (the simulator's faster)
+    placement: str = "auto"  # histopipe: lpt | contiguous (the paper's) | spread (priced distributions) | auto
     tail_fraction: float = 0.1  # tail migration once at most this share of samples is unfinished
     migrate: bool = True  # tail migration and work stealing (histopipe)
     complementary: bool = True  # odd steps place long groups first, even steps last
@@ -281,8 +283,8 @@ _CHOICES = {
     "trainer.lr_schedule": ("constant", "cosine"),
     "rollout.backend": ("local", "ray"),
     "rollout.schedule": ("even", "least_loaded", "histopipe"),
-    "rollout.length_stat": ("mean", "median", "max", "p75"),
-    "rollout.placement": ("auto", "lpt", "contiguous"),
+    "rollout.length_stat": tuple(STATS),
+    "rollout.placement": PLACEMENTS,
 }
 
 

@@ -13,7 +13,9 @@ from rhymerl.drafting import HistoryStore
 from rhymerl.engine import LLM, RequestOutput, SamplingParams
 from rhymerl.model import save_pretrained
 from rhymerl.scheduling import StepCost, make_plan, predict_lengths, simulate, spearman
-from rhymerl.scheduling.planner import Plan, WorkUnit, estimate_s
+from rhymerl.scheduling.length_predictor import log_error_sigma
+from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous
+from rhymerl.scheduling.planner import PLACEMENTS, Plan, WorkUnit, estimate_s
 
 FLAT = StepCost((1, 64), (1.0, 1.0), 0.0, "flat")  # every step 1 s, whatever the batch
 LINEAR = StepCost((1, 65), (0.01, 0.65), 0.0, "linear")  # 10 ms per sequence
@@ -81,12 +83,73 @@ def test_every_plan_places_every_sample_once(R):
             lengths = [rng.integers(1, 60, size=int(rng.integers(1, 6))).astype(float).tolist() for _ in range(23)]
             want = [(p, s) for p in range(23) for s in range(len(lengths[p]))]
             for policy in ("even", "least_loaded", "histopipe", "oracle"):
-                for placement in ("auto", "lpt", "contiguous"):
+                for placement in PLACEMENTS:
                     plan = make_plan(policy, lengths, R, cost=cost, max_num_seqs=8, step=step, prompt_len=5,
                                      placement=placement)
                     assert len(plan.workers) == R
                     got = sorted((u.prompt, s) for w in plan.workers for u in w for s in u.samples)
                     assert got == want, (policy, placement)
+
+
+def test_group_time_prices_the_spread_of_a_group():
+    # no spread, no error: the estimate is the closed form on the lengths (up to the grid's step)
+    d = LengthDists(np.log(np.array([100.0, 400.0])), np.zeros(2), 0.0, 1000.0)
+    est = GroupTime(d, np.array([0, 0, 1]), np.array([2, 1]), LINEAR, 64)
+    assert est(0, 3) == pytest.approx(estimate_s(600.0, 400.0, 3, LINEAR, 64), rel=0.06)
+    assert est(0, 2) == pytest.approx(estimate_s(200.0, 100.0, 2, LINEAR, 64), rel=0.06)
+    # a spread raises the priced longest sample, more for more samples (a max), and the error the total
+    wide = GroupTime(LengthDists(d.mu, np.full(2, 0.5), 0.0, 1000.0), np.array([0, 0, 1]), np.array([2, 1]), LINEAR, 64)
+    assert wide(0, 1) > est(0, 1) and wide(0, 2) > wide(0, 1)
+    err = GroupTime(LengthDists(d.mu, np.zeros(2), 0.3, 1000.0), np.array([0, 0, 1]), np.array([2, 1]), LINEAR, 64)
+    assert err(0, 3) > est(0, 3)
+    # cuts: contiguous, cover everything, never more groups than workers
+    bounds = cut_contiguous(est, 3, 2)
+    assert bounds[0] == 0 and bounds[-1] == 3 and len(bounds) - 1 <= 2 and bounds == sorted(bounds)
+
+
+def test_log_error_sigma():
+    assert log_error_sigma([100, 200], [100, 200]) == 0.0
+    assert log_error_sigma([100, 100], [100 * np.e, 100 / np.e]) == pytest.approx(1.0)
+    assert log_error_sigma([100], [300]) == 0.0  # one prompt says nothing of the spread
+
+
+def test_spread_placement_beats_least_loaded_on_noisy_reasoning_lengths():
+    # Reasoning-shaped traces at 128 workers: predictions from the previous epoch only, the
+    # truth drawn apart from them. Pricing each prompt's spread (risky samples together on
+    # lightly loaded workers) must beat routing by counts and the paper's point-prediction cut,
+    # summed over two workloads (on a single small workload it can tie: bench pipe's rows).
+    from rhymerl.bench.pipe import MAX_TOKENS, scaled_workload, synthetic_pairs
+    from rhymerl.scheduling import GPU_8B_H100
+    from rhymerl.scheduling.length_predictor import predicted_samples
+
+    for kind in ("reasoning", "lognormal"):
+        pairs = synthetic_pairs(kind, 1024, 16, np.random.default_rng(3))
+        err = log_error_sigma([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
+        total = {"least_loaded": 0.0, "contiguous": 0.0, "spread": 0.0}
+        for seed in (4, 5):
+            true, prev = scaled_workload(pairs, 128 * 16, 16, 1.0, np.random.default_rng(seed))
+            guess = predicted_samples(prev, [16] * len(prev))
+            for name in total:
+                policy, placement = ("least_loaded", "auto") if name == "least_loaded" else ("histopipe", name)
+                plan = make_plan(policy, guess, 128, cost=GPU_8B_H100, max_num_seqs=256, prompt_len=256,
+                                 placement=placement, error_sigma=err, max_tokens=MAX_TOKENS)
+                total[name] += simulate(plan, true, 256, GPU_8B_H100, max_num_seqs=256).makespan_s
+        assert total["spread"] < 0.97 * total["least_loaded"], (kind, total)
+        assert total["spread"] < total["contiguous"], (kind, total)
+
+
+def test_reasoning_trace_reproduces_its_published_figures():
+    # docs/traces.md: RhymeRL's 2-4 % of prompts changing length rank much between epochs, and
+    # Seer's last 10 % of requests taking about half of an even-split synchronous rollout.
+    from rhymerl.bench.pipe import rank_change_fraction, scaled_workload, synthetic_pairs
+    from rhymerl.scheduling import GPU_8B_H100
+
+    pairs = synthetic_pairs("reasoning", 4096, 16, np.random.default_rng(1))
+    assert 0.02 <= rank_change_fraction(pairs) <= 0.04
+    true, _ = scaled_workload(pairs, 64 * 16, 16, 1.0, np.random.default_rng(0))
+    r = simulate(make_plan("even", true, 64, cost=GPU_8B_H100, max_num_seqs=256), true, 256, GPU_8B_H100,
+                 max_num_seqs=256)
+    assert 0.4 <= r.tail_share <= 0.6
 
 
 # --- simulator --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from rhymerl.engine.llm_engine import EngineStats
 from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.scheduling import StepCost, make_plan
-from rhymerl.scheduling.length_predictor import predicted_samples
+from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
 from rhymerl.scheduling.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,10 @@ class RolloutCoordinator:
         tail_fraction: tail migration starts once at most this share of the samples is unfinished.
         worker_timeout_s: a call running longer than this means the worker hangs: it is killed.
         slice_s: how long a worker runs between reports.
-        placement: how histopipe places its groups (``auto`` | ``lpt`` | ``contiguous``).
+        placement: how histopipe places its groups (``auto`` | ``lpt`` | ``contiguous`` | ``spread``).
+
+    ``length_error_sigma`` is the coordinator's own measure of how well its last histopipe
+    plan predicted (log error of the prompts' mean lengths); the next plan prices it in.
     """
 
     def __init__(self, pool: WorkerPool, *, policy: str = "histopipe", history=None, cost: StepCost | None = None,
@@ -85,6 +88,7 @@ class RolloutCoordinator:
         self.tail_fraction, self.worker_timeout_s, self.slice_s = tail_fraction, worker_timeout_s, slice_s
         self.complementary, self.migrate, self.tokenizer = complementary, migrate, tokenizer
         self.placement = placement
+        self.length_error_sigma = 0.0
         self.stats = EngineStats()
         self.source_stats: dict[str, float] = {}  # "accepted/<source>", "drafted/<source>", cumulative
         self.pipe = PipeStats()
@@ -112,7 +116,11 @@ class RolloutCoordinator:
             lengths = predicted_samples(hist, n, self.length_stat)
         plan = make_plan(policy, lengths, len(alive), cost=self.cost, max_num_seqs=self.max_num_seqs, step=step,
                          complementary=self.complementary, migrate=self.migrate, placement=self.placement,
-                         prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0)
+                         prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0,
+                         error_sigma=self.length_error_sigma,
+                         max_tokens=max((r.params.max_tokens for r in requests), default=None))
+        if policy != "oracle":
+            plan.known = np.array([len(h) > 0 for h in hist], dtype=bool)
         return plan
 
     # --- one step ----------------------------------------------------------------------------
@@ -123,7 +131,13 @@ class RolloutCoordinator:
         ``on_done(i, output)`` is called as soon as request i has all its samples.
         """
         plan = plan or self.plan(requests, step)
-        return _StepRun(self, requests, step, plan, on_done).run()
+        outs = _StepRun(self, requests, step, plan, on_done).run()
+        if plan.policy == "histopipe" and plan.known is not None and plan.predicted is not None:
+            k = [i for i, o in enumerate(outs) if plan.known[i] and o.error is None and o.outputs]
+            if len(k) >= 2:
+                true = [np.mean([len(c.token_ids) for c in outs[i].outputs]) for i in k]
+                self.length_error_sigma = log_error_sigma(plan.predicted[k], true)
+        return outs
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],

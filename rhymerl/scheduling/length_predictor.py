@@ -48,6 +48,16 @@ def predicted_samples(history: list[list[int]], n: list[int], stat: str = "mean"
     return out
 
 
+def log_error_sigma(predicted: np.ndarray | list[float], true_means: np.ndarray | list[float]) -> float:
+    """How far prompts' mean lengths moved from their predictions: the RMS of
+    log(true / predicted) (0 with fewer than two prompts)."""
+    p = np.maximum(1.0, np.asarray(predicted, dtype=np.float64))
+    t = np.maximum(1.0, np.asarray(true_means, dtype=np.float64))
+    if len(p) < 2:
+        return 0.0
+    return float(np.sqrt(np.mean(np.log(t / p) ** 2)))
+
+
 def spearman(a: np.ndarray | list[float], b: np.ndarray | list[float]) -> float:
     """Spearman rank correlation (average ranks for ties)."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)

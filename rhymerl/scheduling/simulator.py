@@ -32,6 +32,7 @@ class SimResult:
     migrations: int = 0  # running samples moved to another worker (KV recomputed there)
     steals: int = 0  # samples not yet started taken by an idle worker
     busy_s: list[float] = field(default_factory=list, repr=False)
+    tail_share: float = 0.0  # share of the makespan after 90 % of the samples were done (own devices only)
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +93,7 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     start = [0] * total  # worker counter at admission (shifted back by tokens made before a move)
     done = [False] * total
     unfinished = total
+    ninety_at: float | None = None  # when 90 % of the samples were done
     waiting = total
     migrations = steals = 0
     step_s = cost.step_s
@@ -240,6 +242,8 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
                 continue
             done[rid] = True
             unfinished -= 1
+            if ninety_at is None and unfinished <= 0.1 * total:
+                ninety_at = t_ev
         admit(w)
         schedule(wi)
         if not w.running:
@@ -249,7 +253,8 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     if cores is not None:
         makespan, busy = _shared_cores([w.spans for w in ws], cores, threads)
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
-    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy)
+    tail = 1.0 - ninety_at / makespan if cores is None and ninety_at is not None and makespan > 0 else 0.0
+    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy, tail)
 
 
 def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int) -> tuple[float, list[float]]:
