@@ -176,6 +176,14 @@ class TrainerSection:
     # rollout of step t+1 runs while step t trains; which version is a function of the step.
     async_staleness: int = 0
     strategy: str = "fsdp"  # one of rhymerl.training.parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
+    # While a step's last samples generate, the finished groups' old log-probs and the first
+    # mini-batch's gradient are computed (training/stream.py); one optimizer step when the last
+    # group is in, so still on-policy. Needs the prompt split (auto picks it).
+    stream_update: bool = False
+    # Which samples share a mini-batch: samples (a draw over the kept samples) | prompts (a draw
+    # over the step's prompt slots before the rollout, verl's granularity) | auto (prompts when
+    # streaming, else samples).
+    minibatch_split: str = "auto"
     collective_timeout_s: float = 600.0  # a collective waiting longer fails on its rank
     rank_timeout_s: float = 3600.0  # a rank silent this long in one call stops the run
 
@@ -285,7 +293,45 @@ _CHOICES = {
     "rollout.schedule": ("even", "least_loaded", "histopipe"),
     "rollout.length_stat": tuple(STATS),
     "rollout.placement": PLACEMENTS,
+    "trainer.minibatch_split": None,  # checked with the split's other constraints below
 }
+
+
+def minibatch_split(cfg: RunConfig) -> str:
+    """The split ``trainer.minibatch_split`` means (``auto`` resolved)."""
+    t = cfg.trainer
+    return ("prompts" if t.stream_update else "samples") if t.minibatch_split == "auto" else t.minibatch_split
+
+
+def _validate_split(cfg: RunConfig) -> None:
+    """The prompt split (and streaming, which needs it) works on one process, synchronously,
+    with group-local advantages and a token-mean loss; each conflict is named."""
+    from rhymerl.drafting import trains_draft_head
+    from rhymerl.training.stream import GROUP_LOCAL_ADV, MINIBATCH_SPLITS
+
+    t, a = cfg.trainer, cfg.algorithm
+    if t.minibatch_split not in MINIBATCH_SPLITS:
+        raise ConfigError(f"trainer.minibatch_split: {t.minibatch_split!r} is not one of {list(MINIBATCH_SPLITS)}")
+    if t.stream_update and t.minibatch_split == "samples":
+        raise ConfigError("trainer.stream_update: needs trainer.minibatch_split=prompts (or auto): a draw over the "
+                          "kept samples is only known once every group is scored")
+    if minibatch_split(cfg) != "prompts":
+        return
+    what = "trainer.stream_update" if t.stream_update else "trainer.minibatch_split=prompts"
+    conflicts = [
+        (t.world_size != 1, f"trainer.world_size={t.world_size} (it runs on one process)"),
+        (t.async_staleness != 0, f"trainer.async_staleness={t.async_staleness} (async RL already overlaps)"),
+        (cfg.rollout.carry_over_tokens != 0, f"rollout.carry_over_tokens={cfg.rollout.carry_over_tokens}"),
+        (a.dynamic_sampling and a.max_resample_batches > 0,
+         f"algorithm.max_resample_batches={a.max_resample_batches} (refills join after the rollout)"),
+        (a.adv_estimator not in GROUP_LOCAL_ADV,
+         f"algorithm.adv_estimator={a.adv_estimator!r} (needs the whole batch; group-local ones: {list(GROUP_LOCAL_ADV)})"),
+        (a.loss_agg_mode != "token-mean", f"algorithm.loss_agg_mode={a.loss_agg_mode!r} (token-mean only)"),
+        (trains_draft_head(cfg.rollout.speculative), "an online draft head (rollout.speculative)"),
+    ]
+    bad = [why for hit, why in conflicts if hit]
+    if bad:
+        raise ConfigError(f"{what}: not with " + "; ".join(bad))
 
 
 def _validate_speculative(cfg: RunConfig) -> None:
@@ -336,6 +382,7 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.trainer.async_staleness and cfg.algorithm.dynamic_sampling and cfg.algorithm.max_resample_batches:
         raise ConfigError("algorithm.max_resample_batches: refilling a filtered batch needs the rollout workers "
                           "mid-step, which async RL (trainer.async_staleness > 0) gives to the next batch; use 0")
+    _validate_split(cfg)
     if not cfg.algorithm.is_cap >= 1.0:
         raise ConfigError(f"algorithm.is_cap: must be >= 1, got {cfg.algorithm.is_cap}")
     _validate_speculative(cfg)

@@ -138,6 +138,19 @@ def test_spread_placement_beats_least_loaded_on_noisy_reasoning_lengths():
         assert total["spread"] < total["contiguous"], (kind, total)
 
 
+def test_streamed_step_model():
+    from rhymerl.scheduling.step_model import streamed_s
+
+    # groups done only at the rollout's end: nothing overlaps, the work follows the rollout
+    assert streamed_s(1.0, [1.0, 1.0], [0.1, 0.1], 0.3, 2.0, 2.0) == pytest.approx(1.5)
+    # done early, cores to spare: the work hides in the rollout
+    assert streamed_s(1.0, [0.1, 0.2], [0.1, 0.1], 0.3, 1.0, 1.0) == pytest.approx(1.3)
+    # both twice as slow while they overlap: what is hidden is lost again (two cores, four threads)
+    assert streamed_s(1.0, [0.1, 0.2], [0.1, 0.1], 0.3, 2.0, 2.0) == pytest.approx(1.5)
+    # the work waits for a late group, then runs past the rollout's end
+    assert streamed_s(1.0, [0.9], [0.4], 0.0, 1.0, 1.0) == pytest.approx(1.3)
+
+
 def test_reasoning_trace_reproduces_its_published_figures():
     # docs/traces.md: RhymeRL's 2-4 % of prompts changing length rank much between epochs, and
     # Seer's last 10 % of requests taking about half of an even-split synchronous rollout.

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rhymerl.config import load_config
+from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 
@@ -55,6 +55,33 @@ def test_speculation_does_not_change_learning(base_model, tmp_path):
     assert len(trained) == 4 and trained[-1]["draft/loss"] < trained[0]["draft/loss"]
     spec = [r for r in read_metrics(tmp_path / "c" / "metrics.jsonl") if "spec/accepted_tokens/draft_head" in r]
     assert spec and "draft/accept_rate" in spec[-1]
+
+
+def test_streamed_update_learns_exactly_what_the_same_split_learns_after_the_rollout(base_model, tmp_path):
+    # trainer.stream_update computes the groups' log-probs and the first mini-batch's gradient
+    # while the rollout's last samples generate (the worker in its own process); the same prompt
+    # split run after the rollout must learn the same bits: streaming changes only when.
+    from rhymerl.training.rl import train
+
+    after = rl_overrides(base_model, tmp_path / "after") + ["trainer.minibatch_split=prompts"]
+    train(load_config(None, after), progress=False)
+    train(load_config(None, rl_overrides(base_model, tmp_path / "streamed") + ["trainer.stream_update=true"]),
+          progress=False)
+    a, b = learning_metrics(tmp_path / "after"), learning_metrics(tmp_path / "streamed")
+    assert a == b and any("actor/pg_loss" in r for r in a)
+    streamed = [r for r in read_metrics(tmp_path / "streamed" / "metrics.jsonl") if "timing_s/streamed" in r]
+    assert streamed and all(r["timing_s/streamed"] > 0 for r in streamed)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("trainer.world_size=2", "trainer.world_size=2"),
+    ("trainer.async_staleness=1", "trainer.async_staleness=1"),
+    ("algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.adv_estimator"),
+    ("trainer.minibatch_split=samples", "trainer.minibatch_split=prompts"),
+])
+def test_streamed_update_refuses_what_it_cannot_stream(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(None, ["trainer.stream_update=true", override])
 
 
 def test_kl_in_reward_replaces_the_kl_loss(base_model, tmp_path):

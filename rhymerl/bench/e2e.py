@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from rhymerl.bench.common import print_table, write_report
+from rhymerl.config import minibatch_split
 from rhymerl.training.metrics import read_metrics
 
 SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
@@ -70,24 +71,29 @@ def calibrate(model: str, cfg: Any) -> Any:
     trainer = PolicyTrainer(policy, cfg.trainer, cfg.algorithm, torch.device("cpu"),
                             total_optimizer_steps=100, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
-    def train_once() -> float:
+    def train_once() -> tuple[float, float]:
         t = time.perf_counter()
         trainer.compute_logps(exp)
+        t_logp = time.perf_counter() - t
         trainer.update(exp, step=1, seed=0)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, t_logp
 
     train_once()
-    alone_t = min(train_once() for _ in range(3))
-    return LocalCosts(engine, engine_1t, alone_t / tokens, os.cpu_count() or 1, torch.get_num_threads())
+    alone_t, logp_t = min(train_once() for _ in range(3))
+    return LocalCosts(engine, engine_1t, alone_t / tokens, os.cpu_count() or 1, torch.get_num_threads(),
+                      logp_share=logp_t / alone_t)
 
 
 def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int, policy: str, in_process: bool,
-                    async_rl: bool, max_num_seqs: int) -> list[float]:
+                    async_rl: bool, max_num_seqs: int, stream: tuple[int, int] | None = None) -> list[float]:
     """The whole-step model's time of every logged step of one variant, from the variant's own
-    length and forward traces (what speculation did), with ``costs`` measured before the runs."""
+    length and forward traces (what speculation did), with ``costs`` measured before the runs.
+    ``stream``: (seed, mini-batches) of a variant whose update streams into its rollout."""
     import json
 
-    from rhymerl.scheduling.step_model import local_rollout_s, overlapped_s, shared_slowdowns
+    from rhymerl.scheduling.step_model import (local_rollout, local_rollout_s, overlapped_s, shared_slowdowns,
+                                               streamed_s)
+    from rhymerl.training.stream import processing_order, prompt_minibatches
 
     traces = {t["step"]: t for t in map(json.loads, (run_dir / "traces.jsonl").read_text().splitlines())}
     out = []
@@ -104,6 +110,23 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
         trained = t.get("trained", [True] * len(t["lengths"]))
         tokens = sum(p * len(ls) + sum(ls) for p, ls, k in zip(t["prompt_lens"], t["lengths"], trained) if k)
         train = costs.train_s_per_token * tokens
+        if stream is not None:
+            seed, mbs = stream
+            sim = local_rollout(costs, forwards, t["prompt_lens"], workers=1, policy="even", predicted=t["predicted"],
+                                scored_per_row=scored, max_num_seqs=max_num_seqs, in_process=False)
+            P = len(t["lengths"])
+            first = set(prompt_minibatches(P, mbs, seed, r["step"], 0)[0])
+            order = processing_order(t["predicted"], P, seed, r["step"])
+            per_tok, share = costs.train_s_per_token, costs.logp_share
+            g_tok = [(t["prompt_lens"][g] * len(t["lengths"][g]) + sum(t["lengths"][g])) if trained[g] else 0
+                     for g in range(P)]
+            work = [per_tok * g_tok[g] * (share + (1 - share) * (g in first)) for g in order]
+            streamed = sum(work)
+            # the worker process keeps every core's thread, the controller its own
+            slow_r, slow_t = shared_slowdowns(costs.cores, costs.cores, costs.train_threads)
+            out.append(streamed_s(sim.makespan_s, [sim.prompt_done_s[g] for g in order], work, train - streamed,
+                                  slow_r, slow_t))
+            continue
         if async_rl:  # this step's update beside the next batch's rollout (one thread, its own process)
             alone = local_rollout_s(costs, forwards, t["prompt_lens"], workers=1, policy="even",
                                     predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
@@ -139,7 +162,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                                         "rollout.schedule=histopipe"],
                 # async RL (S=1): the next batch generates in the background while a step trains
                 "async": ["rollout.speculative.method=none", "trainer.async_staleness=1"],
-                "async_histospec": ["rollout.speculative.method=history", "trainer.async_staleness=1"]}
+                "async_histospec": ["rollout.speculative.method=history", "trainer.async_staleness=1"],
+                # the update streamed into the rollout's tail, and the same prompt split after it
+                "prompt_split": ["rollout.speculative.method=none", "trainer.minibatch_split=prompts"],
+                "stream": ["rollout.speculative.method=none", "trainer.stream_update=true"]}
     runs: dict[str, RLRun] = {}
     try:  # built inside: a variant that fails to start still stops the workers of those before it
         for name, ov in variants.items():
@@ -169,7 +195,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     learn = {k: [{m: v for m, v in r.items() if not m.startswith(SPEED)} for r in rows] for k, rows in results.items()}
     # Speculation and scheduling never change what is learned; async RL does (older weights draw
     # its batches), so the async variants are compared with each other.
-    same_as = {k: "async" if runs[k].cfg.trainer.async_staleness else "baseline" for k in learn}
+    # The prompt split draws other mini-batches than the default: streamed, it must learn what
+    # it learns after the rollout.
+    same_as = {k: "async" if runs[k].cfg.trainer.async_staleness else
+               "prompt_split" if minibatch_split(runs[k].cfg) == "prompts" else "baseline" for k in learn}
     same = {k: learn[k] == learn[same_as[k]] for k in learn}
     rows_out = []
     from rhymerl.distribution.factory import in_process_worker
@@ -183,7 +212,9 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
             return float(np.mean([r[k] for r in rs]))
 
         late = rows[skip:]
-        sim = simulated_steps(costs, tmp / name, rows, max_num_seqs=runs[name].cfg.rollout.max_num_seqs,
+        c = runs[name].cfg
+        sim = simulated_steps(costs, tmp / name, rows, max_num_seqs=c.rollout.max_num_seqs,
+                              stream=(c.seed, c.trainer.ppo_mini_batches) if c.trainer.stream_update else None,
                               **shape[name])
         rows_out.append({"variant": name, "step_s": mean("timing_s/step"), "simulated_step_s": float(np.mean(sim)),
                          "sim_error": float(np.mean(sim)) / mean("timing_s/step") - 1, "gen_s": mean("timing_s/gen"),

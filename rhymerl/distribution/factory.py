@@ -18,12 +18,13 @@ log = logging.getLogger(__name__)
 
 
 def in_process_worker(cfg: RunConfig) -> bool:
-    """One local worker runs in the controller's process, except under async RL: there it
-    generates while the controller trains, and a process of its own keeps its numerics apart
-    (two threads of one process share torch's thread pool, which changes float results with
-    timing) and its work off the controller's interpreter lock."""
+    """One local worker runs in the controller's process, except under async RL or a streamed
+    update: there it generates while the controller trains, and a process of its own keeps its
+    numerics apart (two threads of one process share torch's thread pool, which changes float
+    results with timing) and its work off the controller's interpreter lock."""
     r = cfg.rollout
-    return r.workers == 1 and r.backend == "local" and cfg.trainer.async_staleness == 0
+    return (r.workers == 1 and r.backend == "local" and cfg.trainer.async_staleness == 0
+            and not cfg.trainer.stream_update)
 
 
 def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:

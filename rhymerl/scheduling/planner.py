@@ -177,7 +177,7 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
             estimate is lowest: long and short work mix), ``contiguous`` (the paper's
             groups: the ranking cut into contiguous groups by a binary-searched budget),
             ``spread`` (the same cut, each group priced under the prompts' length
-            distributions), or ``auto`` (whichever the simulator finishes first, on average, on two
+            distributions), or ``auto`` (whichever the simulator finishes first in the worse of two
             draws of lengths from those distributions, seeded by the step).
         error_sigma: how far (log) a prompt's mean length moved from its prediction on the
             last step (the coordinator measures it); ``spread`` and ``auto`` price it in.
@@ -214,6 +214,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         "contiguous": lambda: _contiguous(lens, R, cost, max_num_seqs, prompt_len),
         "spread": lambda: _spread(dists, [len(x) for x in lens], R, cost, max_num_seqs, prompt_len),
     }
+    if placement == "auto" and R == 1:
+        placement = "contiguous"  # one worker: every placement is the same, no need to simulate them
     if placement != "auto":
         groups = candidates[placement]()
     else:
@@ -229,9 +231,12 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         names = ("lpt", "contiguous") if policy == "oracle" else tuple(candidates)
 
         def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
+            # the worse of the draws: a plan is as good as its bad case. Still optimistic for
+            # `spread`, which is built on the distribution it is judged on: on the 235B
+            # projection's 16 engines it is picked and 8 % slower than LPT (README, HistoPipe).
             plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
-            return float(np.mean([simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
-                                  for j in judged]))
+            return max(simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
+                       for j in judged)
 
         groups = min((candidates[name]() for name in names), key=simulated_s)
     if complementary and step % 2 == 0:

@@ -33,6 +33,7 @@ class SimResult:
     steals: int = 0  # samples not yet started taken by an idle worker
     busy_s: list[float] = field(default_factory=list, repr=False)
     tail_share: float = 0.0  # share of the makespan after 90 % of the samples were done (own devices only)
+    prompt_done_s: list[float] = field(default_factory=list, repr=False)  # when each prompt's last sample finished
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +93,7 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     total = len(req_prompt)
     start = [0] * total  # worker counter at admission (shifted back by tokens made before a move)
     done = [False] * total
+    finished_at = [0.0] * total
     unfinished = total
     ninety_at: float | None = None  # when 90 % of the samples were done
     waiting = total
@@ -241,6 +243,7 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
                 w.removed.discard(rid)
                 continue
             done[rid] = True
+            finished_at[rid] = t_ev
             unfinished -= 1
             if ninety_at is None and unfinished <= 0.1 * total:
                 ninety_at = t_ev
@@ -251,18 +254,23 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     makespan = max((w.done_at for w in ws), default=0.0)
     busy = [w.busy for w in ws]
     if cores is not None:
-        makespan, busy = _shared_cores([w.spans for w in ws], cores, threads)
+        makespan, busy, to_wall = _shared_cores([w.spans for w in ws], cores, threads)
+        finished_at = to_wall(finished_at)
+    prompt_done = [0.0] * P
+    for rid, t in enumerate(finished_at):
+        prompt_done[req_prompt[rid]] = max(prompt_done[req_prompt[rid]], t)
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
     tail = 1.0 - ninety_at / makespan if cores is None and ninety_at is not None and makespan > 0 else 0.0
-    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy, tail)
+    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy, tail, prompt_done)
 
 
-def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int) -> tuple[float, list[float]]:
+def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int):
     """Wall-clock makespan and busy time per worker from busy intervals in a worker's own time,
-    when n busy workers each run ``max(1, n * threads / cores)`` times slower."""
+    when n busy workers each run ``max(1, n * threads / cores)`` times slower; and the map
+    from a worker's own time to the wall clock."""
     edges = sorted({x for ws in spans for sp in ws for x in sp})
     if not edges:
-        return 0.0, [0.0] * len(spans)
+        return 0.0, [0.0] * len(spans), lambda ts: list(ts)
     delta: dict[float, int] = {}
     for ws in spans:
         for a, b in ws:
@@ -274,4 +282,6 @@ def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads:
     for a, b in zip(edges, edges[1:]):
         n += delta.get(a, 0)
         wall[b] = wall[a] + (b - a) * max(1.0, n * threads / cores)
-    return wall[edges[-1]], [sum(wall[b] - wall[a] for a, b in ws) for ws in spans]
+    xs, ys = np.array(edges), np.array([wall[e] for e in edges])
+    return (wall[edges[-1]], [sum(wall[b] - wall[a] for a, b in ws) for ws in spans],
+            lambda ts: np.interp(np.asarray(ts, dtype=np.float64), xs, ys).tolist())

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from rhymerl.scheduling.cost import StepCost
-from rhymerl.scheduling.length_predictor import predicted_samples
+from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
 from rhymerl.scheduling.planner import make_plan
 from rhymerl.scheduling.simulator import simulate
 
@@ -84,6 +84,7 @@ class Scale:
     sync_bytes_s: float = 50e9  # weights from the trainer to the engines, effective
     accept_histospec: float = 2.5  # tokens per verification forward, drafts from history
     draft_tokens: int = 4  # drafted tokens scored per row in a verification forward
+    ppo_mini_batches: int = 2  # optimizer steps per rollout; the first one can stream (trainer.stream_update)
 
 
 SCALES = {
@@ -135,8 +136,12 @@ def rollout_time(scale: Scale, true: list[list[int]], prev: list[list[int]], eng
     steps = [[int(np.ceil(x / accept)) for x in g] for g in true]
     if histopipe:
         guess = predicted_samples(prev, [len(g) for g in prev])
+        # the prediction error a coordinator measures on its previous step: another epoch pair
+        p2, t2 = L.draw(len(prev), len(prev[0]), np.random.default_rng(step + 1_000))
+        err = log_error_sigma([np.mean(g) for g in p2], [np.mean(g) for g in t2])
         plan = make_plan("histopipe", [[x / accept for x in g] for g in guess], engines, cost=cost,
-                         max_num_seqs=scale.max_num_seqs, step=step, prompt_len=float(L.prompt_len))
+                         max_num_seqs=scale.max_num_seqs, step=step, prompt_len=float(L.prompt_len),
+                         error_sigma=err, max_tokens=float(np.ceil(L.max_len / accept)))
     else:
         plan = make_plan("even", steps, engines, cost=cost, max_num_seqs=scale.max_num_seqs)
     r = simulate(plan, steps, L.prompt_len, cost, max_num_seqs=scale.max_num_seqs)
@@ -149,9 +154,20 @@ def train_time(scale: Scale, tokens: float, gpus: int) -> float:
     return 8.0 * scale.model.active_params * tokens / (gpus * g.peak_flops * g.train_mfu)
 
 
+def streamable_share(mini_batches: int) -> float:
+    """The update's share that can start before a step's last group is in: the old log-probs
+    (a forward: 2 of the 8 x active-params FLOPs per token) and the first mini-batch's forward
+    and backward (6 of 8, over ``mini_batches``)."""
+    return (2.0 + 6.0 / mini_batches) / 8.0
+
+
 def step_time(scale: Scale, *, histospec: bool = False, histopipe: bool = False, async_rl: bool = False,
-              accept: float | None = None, seed: int = 0) -> StepTime:
-    """One step of ``scale`` with the given techniques on."""
+              stream: bool = False, accept: float | None = None, seed: int = 0) -> StepTime:
+    """One step of ``scale`` with the given techniques on.
+
+    ``stream`` (synchronous only): the finished groups' old log-probs and the first mini-batch's
+    gradient run on the GPU-time the drained tail leaves idle (assumed usable at the update's
+    own MFU: a model, see docs/projection.md), up to what can stream."""
     rng = np.random.default_rng(seed)
     prev, true = scale.lengths.draw(scale.prompts, scale.n, rng)
     a = (accept if accept is not None else scale.accept_histospec) if histospec else 1.0
@@ -161,8 +177,9 @@ def step_time(scale: Scale, *, histospec: bool = False, histopipe: bool = False,
     if not async_rl:  # colocated: all GPUs generate, then all train
         r_s, r_bubble = rollout_time(scale, true, prev, engines_all, histopipe=histopipe, accept=a)
         t_s = train_time(scale, tokens, scale.gpus)
-        step = r_s + t_s + sync
-        return StepTime(step, r_s, t_s, sync, (r_bubble * r_s + sync) / step)
+        hidden = min(streamable_share(scale.ppo_mini_batches) * t_s, r_bubble * r_s) if stream else 0.0
+        step = r_s + t_s - hidden + sync
+        return StepTime(step, r_s, t_s - hidden, sync, (r_bubble * r_s - hidden + sync) / step)
     cache: dict[int, StepTime] = {}
 
     def split(engines: int) -> StepTime:
@@ -195,7 +212,9 @@ VARIANTS = {
     "+histospec": {"histospec": True},
     "+histopipe": {"histopipe": True},
     "+async": {"async_rl": True},
+    "+stream": {"stream": True},
     "all": {"histospec": True, "histopipe": True, "async_rl": True},
+    "all_sync+stream": {"histospec": True, "histopipe": True, "stream": True},
 }
 
 
@@ -237,6 +256,7 @@ class LocalCosts:
     train_s_per_token: float
     cores: int
     train_threads: int = 1
+    logp_share: float = 0.0  # of the trainer's time, the old log-probs' (the rest is the update)
 
 
 def scored_cost(cost: StepCost, scored_per_row: float) -> StepCost:
@@ -265,6 +285,36 @@ def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: l
                     in_process: bool) -> float:
     """One rollout's seconds: each sample takes as many engine steps as it took forwards (its
     recorded trace), each step costing what its batch scores."""
+    return local_rollout(costs, forwards, prompt_lens, workers=workers, policy=policy, predicted=predicted,
+                         scored_per_row=scored_per_row, max_num_seqs=max_num_seqs, in_process=in_process).makespan_s
+
+
+def streamed_s(rollout_s: float, done_s: list[float], work_s: list[float], rest_s: float, slow_rollout: float,
+               slow_train: float) -> float:
+    """A step whose update streams into its rollout (``trainer.stream_update``): each group's
+    work (``work_s``, in processing order) starts once the group is done (``done_s``, on the
+    rollout's own clock) and the one before it is finished; while both run, the rollout goes
+    ``slow_rollout`` and the work ``slow_train`` times slower (shared cores:
+    :func:`shared_slowdowns`); then the rest of the update."""
+    t = tau = 0.0  # wall clock; the rollout's own progress
+    for done, w in zip(done_s, work_s):
+        if tau < done:  # the work waits for its group; the rollout runs alone meanwhile
+            t += done - tau
+            tau = done
+        if tau < rollout_s:  # both run until one of them is done
+            dt = min(w * slow_train, (rollout_s - tau) * slow_rollout)
+            t += dt
+            tau += dt / slow_rollout
+            w -= dt / slow_train
+        t += max(0.0, w)
+    t += max(0.0, rollout_s - tau)
+    return t + rest_s
+
+
+def local_rollout(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
+                  policy: str, predicted: list[float | None], scored_per_row: float, max_num_seqs: int,
+                  in_process: bool):
+    """:func:`local_rollout_s`'s whole simulation (when each prompt's group was done, too)."""
     if in_process:
         cost, cores, threads = scored_cost(costs.engine, scored_per_row), None, 1
     else:
@@ -274,8 +324,7 @@ def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: l
     guess = [[(p if p is not None else fill)] * len(f) for p, f in zip(predicted, forwards)]
     plan = make_plan(policy if workers > 1 else "even", guess, workers,
                      cost=cost, max_num_seqs=max_num_seqs, prompt_len=float(np.mean(prompt_lens)))
-    return simulate(plan, forwards, prompt_lens, cost, max_num_seqs=max_num_seqs, cores=cores,
-                    threads=threads).makespan_s
+    return simulate(plan, forwards, prompt_lens, cost, max_num_seqs=max_num_seqs, cores=cores, threads=threads)
 
 
 def overlapped_s(rollout_alone: float, train_alone: float, slow_rollout: float, slow_train: float) -> float:

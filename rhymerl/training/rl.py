@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rhymerl.atomic_io import atomic_write_text, read_jsonl, rewrite_jsonl
-from rhymerl.config import ConfigError, RunConfig, load_config, save_config
+from rhymerl.config import ConfigError, RunConfig, load_config, minibatch_split, save_config
 from rhymerl.drafting import trains_draft_head
 from rhymerl.data import PromptRow
 from rhymerl.data.filters import filter_rows
@@ -120,6 +120,7 @@ class ScoredRollout:
     offpolicy_tokens: int  # tokens of ``outs`` drawn under earlier steps' weights
     version: int = 0  # the policy version (updates applied) that drew it
     stats: dict[str, float] = field(default_factory=dict)  # engine and scheduler counters over this rollout
+    streamed: Any = None  # the prompt split's update work on these groups (StreamedUpdate), if any
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (a checkpoint holds the batch an async run had in flight)."""
@@ -265,6 +266,7 @@ class RLRun:
             raise
         self.metrics = MetricsLogger(run_dir)
         self.staleness = cfg.trainer.async_staleness
+        self.prompt_split = minibatch_split(cfg) == "prompts"  # the update starts on groups as they land
         self.version = 0  # updates applied to self.model
         self.worker_version = 0  # the version the rollout workers hold
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # async: older versions batches may still need
@@ -359,10 +361,11 @@ class RLRun:
 
     # --- one step ------------------------------------------------------------------------------
     def _rollout(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup] | None = None,
-                 version: int | None = None) -> ScoredRollout:
+                 version: int | None = None, split: bool = False) -> ScoredRollout:
         """Generate for ``rows`` (after the ``carried`` groups, continued from their pause) and
         score each prompt as soon as its samples are all back. Groups paused at this step's
-        token budget come back in ``carry``, unscored."""
+        token budget come back in ``carry``, unscored. ``split``: the prompt split's update work
+        starts on each group as it is scored (in the background with ``stream_update``)."""
         from rhymerl.distribution import RolloutRequest
 
         r = self.cfg.rollout
@@ -384,6 +387,8 @@ class RLRun:
                                 rollout_seed(self.cfg.seed, step, row.key), row.key)
                  for row in rows]
         limits = [min(r.max_tokens, r.max_model_len - len(q.prompt_ids)) for q in reqs]
+        predicted = self._predict(all_rows)  # before this step's lengths join the history
+        streamed = self._streamed(step, predicted) if split else None
         scored: dict[int, GroupScore] = {}
         whole: dict[int, RequestOutput] = {}
         reward_s = 0.0
@@ -398,8 +403,11 @@ class RLRun:
             t = time.perf_counter()
             scored[i] = self._score(all_rows[i], out)
             reward_s += time.perf_counter() - t
+            if streamed is not None:
+                g = scored[i].scores
+                trains = not self.cfg.algorithm.dynamic_sampling or max(g) != min(g)
+                streamed.add(i, out.prompt_token_ids if trains else None, [c.token_ids for c in out.outputs], g)
 
-        predicted = self._predict(all_rows)  # before this step's lengths join the history
         st, pipe = self.rollout.stats, self.rollout.pipe
         s0 = {k: getattr(st, k) for k in _SPEC_COUNTERS}
         src0 = dict(self.rollout.source_stats)
@@ -433,10 +441,48 @@ class RLRun:
                              next((scored[i].first_error for i in done if scored[i].first_error), None),
                              extras, [predicted[i] for i in done],
                              gen_s=gen_s, reward_s=reward_s, carry=carry, offpolicy_tokens=offpolicy,
-                             version=self.version if version is None else version,
+                             version=self.version if version is None else version, streamed=streamed,
                              stats={**{k: getattr(st, k) - s0[k] for k in _SPEC_COUNTERS},
                                     **{f"src/{k}": v - src0.get(k, 0) for k, v in self.rollout.source_stats.items()},
                                     **{f"pipe/{k}": v - p0[k] for k, v in vars(pipe).items()}})
+
+    def _prompt_split_update(self, first: ScoredRollout, kept_outs: list[RequestOutput], step: int,
+                             metrics: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """The update of a prompt-split step: the work already done on each group as it landed
+        (streamed) is finished, then the optimizer steps. Returns the trained responses'
+        rewards and advantages, the seconds waited for the groups' work, and the update's."""
+        from rhymerl.training.stream import stream_update
+
+        streamed, cfg = first.streamed, self.cfg
+        t = time.perf_counter()
+        streamed.finish()
+        old_s = time.perf_counter() - t
+        slot_of = {id(o): i for i, o in enumerate(first.outs)}
+        slots = [slot_of[id(o)] for o in kept_outs]
+        t = time.perf_counter()
+        upd, _ = stream_update(self.trainer, streamed, slots, step, cfg.seed, cfg.trainer.ppo_mini_batches,
+                               cfg.trainer.ppo_epochs)
+        metrics.update(upd)
+        upd_s = time.perf_counter() - t
+        groups = [streamed.groups[s] for s in slots]
+        reward_t = torch.cat([g.reward for g in groups]) if groups else torch.zeros(0)
+        adv = torch.cat([g.exp.advantages for g in groups]) if groups else torch.zeros(0)
+        if cfg.algorithm.use_kl_in_reward and groups:
+            metrics["critic/kl_in_reward"] = sum(g.kl_in_reward for g in groups) / len(reward_t)
+        metrics["timing_s/streamed"] = streamed.busy_s  # work on groups, hidden in the rollout or not
+        if not groups:
+            log.warning("step %d: every group had equal rewards; no update", step)
+        return reward_t, adv, old_s, upd_s
+
+    def _streamed(self, step: int, predicted: list[float | None]):
+        """The prompt split's update work for step ``step``'s groups (streamed or after)."""
+        from rhymerl.training.stream import StreamedUpdate, processing_order, prompt_minibatches
+
+        cfg, P = self.cfg, len(predicted)
+        first = prompt_minibatches(P, cfg.trainer.ppo_mini_batches, cfg.seed, step, 0)[0]
+        return StreamedUpdate(self.trainer, cfg, self.tokenizer.pad_token_id or 0,
+                              processing_order(predicted, P, cfg.seed, step), set(first),
+                              background=cfg.trainer.stream_update)
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
         """HistoPipe's length prediction per prompt (None without history), for the trace."""
@@ -511,7 +557,7 @@ class RLRun:
             return out, time.perf_counter() - t
         rows = self.loader.next_batch()
         self._push(self._version_for(step))
-        out = self._rollout(rows, step, self.carried, version=self._version_for(step))
+        out = self._rollout(rows, step, self.carried, version=self._version_for(step), split=self.prompt_split)
         return out, time.perf_counter() - t
 
     def _launch(self, step: int) -> None:
@@ -590,7 +636,9 @@ class RLRun:
                                               algo.overlong_penalty)
         metrics: dict[str, Any] = {}
         self._keep_current(step)
-        if responses:
+        if first.streamed is not None:
+            reward_t, adv, old_s, upd_s = self._prompt_split_update(first, kept_outs, step, metrics)
+        elif responses:
             exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
                                    behaviour_logprobs=behaviour if self.staleness else None)
             t = time.perf_counter()

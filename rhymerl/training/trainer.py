@@ -225,38 +225,46 @@ class PolicyTrainer:
             order = torch.randperm(N, generator=g)
             for mb_idx in order.chunk(self.cfg.ppo_mini_batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                finite = self.accumulate_gradient(exp, mb_idx, acc)
-                if not finite:
-                    grad_norm = torch.tensor(float("nan"))
-                else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-                    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the global norm, as a DTensor
-                        grad_norm = grad_norm.full_tensor()
-                if not finite or not torch.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.bad_steps += 1
-                    if self.rank == 0:
-                        log.warning("step %d: non-finite loss or gradient; update skipped (%d so far)", step,
-                                    self.bad_steps)
-                    acc("actor/skipped_updates", 1.0)
-                    if self.bad_steps > self.cfg.max_bad_steps:
-                        raise FloatingPointError(f"more than trainer.max_bad_steps={self.cfg.max_bad_steps} "
-                                                 "non-finite updates; aborting")
-                    continue
-                self.optimizer.step()
-                self.scheduler.step()
-                acc("actor/grad_norm", float(grad_norm))
+                self.optimizer_step(self.accumulate_gradient(exp, mb_idx, acc), step, acc)
         self.model.eval()
         return sums, counts, self.scheduler.get_last_lr()[0]
 
+    def optimizer_step(self, finite: bool, step: int, acc: Callable[[str, float, float], None]) -> None:
+        """Clip the accumulated gradient to the global norm and step, or skip the step (counted)
+        when the loss or the gradient is not finite."""
+        if not finite:
+            grad_norm = torch.tensor(float("nan"))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: the global norm, as a DTensor
+                grad_norm = grad_norm.full_tensor()
+        if not finite or not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            if self.rank == 0:
+                log.warning("step %d: non-finite loss or gradient; update skipped (%d so far)", step, self.bad_steps)
+            acc("actor/skipped_updates", 1.0, 1.0)
+            if self.bad_steps > self.cfg.max_bad_steps:
+                raise FloatingPointError(f"more than trainer.max_bad_steps={self.cfg.max_bad_steps} "
+                                         "non-finite updates; aborting")
+            return
+        self.optimizer.step()
+        self.scheduler.step()
+        acc("actor/grad_norm", float(grad_norm), 1.0)
+
     def accumulate_gradient(self, exp: Experience, mb_idx: torch.Tensor,
-                            acc: Callable[[str, float, float], None] = lambda k, v, w: None) -> bool:
+                            acc: Callable[[str, float, float], None] = lambda k, v, w: None,
+                            norm_tokens: float | None = None) -> bool:
         """Backward over one mini-batch's micro-batches (this rank's part of them); whether
-        every loss was finite, agreed by all ranks (so all of them skip, or none)."""
+        every loss was finite, agreed by all ranks (so all of them skip, or none).
+
+        ``norm_tokens``: the token-mean's denominator, when ``mb_idx`` is only part of the
+        mini-batch (a streamed update passes 1 and divides the gradient at the end)."""
         algo, loss_fn = self.algo, POLICY_LOSSES[self.algo.policy_loss]
         # The global mini-batch's normalisers on every rank, and the reduction's average over
         # ranks undone: the ranks' gradients add up to one process's.
-        norm_tokens = float(exp.response_mask[mb_idx].sum().clamp(min=1))
+        if norm_tokens is None:
+            norm_tokens = float(exp.response_mask[mb_idx].sum().clamp(min=1))
         norm_seqs = float(len(mb_idx))
         scale = float(self.world_size)
         micros = self._rank_micro_batches(exp, mb_idx)
@@ -303,8 +311,9 @@ class PolicyTrainer:
                     logp.sum().mul(0.0).backward()  # the other ranks' collectives still need a backward
                     continue
                 (loss * scale if scale != 1.0 else loss).backward()
-                frac = ntok / norm_tokens
-                acc("actor/pg_loss", float(pg_loss.detach()) / max(frac, 1e-9), frac)
+                # token-weighted, like the other update metrics (and the same whether the
+                # mini-batch's normaliser was applied here or after a streamed accumulation)
+                acc("actor/pg_loss", float(pg_loss.detach()) * norm_tokens / max(1.0, ntok), ntok)
                 acc("actor/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)), ntok)
                 for k, v in m.items():  # token means over the micro-batch
                     acc(f"actor/{k}", float(v), ntok)

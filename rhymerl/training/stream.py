@@ -1,0 +1,256 @@
+"""The update streamed into the rollout's tail (``trainer.stream_update``), and the prompt-level
+mini-batch split it needs.
+
+While a step's last samples generate, the groups already finished and scored have their old
+(and reference) log-probs computed, and the first mini-batch's gradient accumulated; its
+optimizer step waits for the step's last group. Every response still comes from the step's
+weights (nothing here is off-policy) and the update is the same computation.
+
+What makes that exact rather than approximate:
+
+- **Which mini-batch a group joins is drawn before the rollout**, over the step's prompt
+  slots (verl's granularity: a group's samples share a mini-batch); groups the filter drops
+  leave theirs. Splitting the *kept samples* instead (the default ``samples`` split) needs the
+  filter's outcome for every group first.
+- **One code path, streamed or not.** Groups are processed in a fixed order (predicted length
+  from history, then the slot's draw: short groups tend to finish first), each with its own
+  forwards; the mini-batch's gradient is accumulated unnormalised and divided by its token
+  count once that is known (token-mean loss: the division is linear). ``stream_update=false``
+  with ``minibatch_split=prompts`` runs exactly this after the rollout: streaming changes only
+  when the work runs, so both learn the same bits (``bench e2e`` checks it).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rhymerl.training.algos import ADV_ESTIMATORS, kl_penalty, overlong_penalty
+from rhymerl.training.trainer import Experience, PolicyTrainer
+
+MINIBATCH_SPLITS = ("auto", "samples", "prompts")  # auto: prompts when streaming, else samples
+# Advantages that depend on the group alone (a group can be finished before the batch is).
+GROUP_LOCAL_ADV = ("grpo", "drgrpo", "rloo")
+
+
+def prompt_minibatches(num_slots: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[list[int]]:
+    """The step's prompt slots drawn into ``mini_batches`` mini-batches for PPO epoch ``epoch``:
+    a function of the seed, step and epoch alone (known before the rollout)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + epoch)
+    return [c.tolist() for c in torch.randperm(num_slots, generator=g).chunk(mini_batches)]
+
+
+@dataclass
+class GroupRows:
+    """One prompt's scored responses, ready for the update."""
+
+    prompt: list[int]
+    responses: list[list[int]]
+    exp: Experience  # old/ref log-probs and advantages filled
+    tokens: int  # response tokens
+    reward: torch.Tensor  # per response: score, overlong penalty and in-reward KL
+    kl_in_reward: float = 0.0  # summed over its responses (use_kl_in_reward)
+
+
+@dataclass
+class _Slot:
+    prompt: list[int]
+    responses: list[list[int]]
+    scores: list[float]
+
+
+@dataclass
+class StreamedUpdate:
+    """The prompt split's work on one step's groups: per group its log-probs and advantages, and
+    the first mini-batch's gradient accumulated into the policy's ``.grad``.
+
+    Args:
+        trainer: the policy's trainer (one process).
+        cfg: the run config (algorithm and rollout sections).
+        pad_id: padding token.
+        order: every prompt slot, in the order groups are processed.
+        first: the slots of the first mini-batch of the first PPO epoch.
+        background: process groups in a thread as they arrive (streaming); else all at
+            :meth:`finish`.
+    """
+
+    trainer: PolicyTrainer
+    cfg: Any
+    pad_id: int
+    order: list[int]
+    first: set[int]
+    background: bool = True
+    groups: dict[int, GroupRows] = field(default_factory=dict)
+    first_tokens: int = 0
+    finite: bool = True
+    sums: list[tuple[str, float, float]] = field(default_factory=list)  # the first mini-batch's metrics
+    busy_s: float = 0.0  # time spent processing, streamed or not
+
+    def __post_init__(self) -> None:
+        self._arrived: dict[int, _Slot | None] = {}
+        self._cv = threading.Condition()
+        self._next = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if self.background:
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+            self._thread = threading.Thread(target=self._loop, name="stream-update", daemon=True)
+            self._thread.start()
+
+    # --- from the rollout ---------------------------------------------------------------------
+    def add(self, slot: int, prompt: list[int] | None, responses: list[list[int]], scores: list[float]) -> None:
+        """Group ``slot`` is whole and scored; ``prompt`` None: it trains on nothing (filtered)."""
+        with self._cv:
+            self._arrived[slot] = _Slot(prompt, responses, scores) if prompt is not None else None
+            self._cv.notify()
+
+    def finish(self) -> None:
+        """Every group is in: process what is left, in order."""
+        if self._thread is not None:
+            with self._cv:
+                for s in self.order:  # a slot the rollout never reported trains on nothing
+                    self._arrived.setdefault(s, None)
+                self._cv.notify()
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+            return
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        for s in self.order:
+            self._arrived.setdefault(s, None)
+        while self._next < len(self.order):
+            self._process(self.order[self._next])
+            self._next += 1
+
+    # --- the work -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._next < len(self.order):
+                slot = self.order[self._next]
+                with self._cv:
+                    while slot not in self._arrived:
+                        self._cv.wait()
+                self._process(slot)
+                self._next += 1
+        except BaseException as e:  # raised again in the controller's thread, at finish
+            self._error = e
+
+    def _process(self, slot: int) -> None:
+        import time
+
+        got = self._arrived[slot]
+        if got is None:
+            return
+        t = time.perf_counter()
+        algo, r = self.cfg.algorithm, self.cfg.rollout
+        tr = self.trainer
+        n = len(got.responses)
+        exp = Experience.build([got.prompt] * n, got.responses, [0.0] * n, self.pad_id)
+        tr.compute_logps(exp)
+        lengths = torch.tensor([len(x) for x in got.responses])
+        reward = torch.tensor(got.scores, dtype=torch.float32) + overlong_penalty(
+            lengths, r.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        kl_sum = 0.0
+        if algo.use_kl_in_reward and exp.ref_logp is not None and exp.old_logp is not None:
+            seq_kl = (kl_penalty(exp.old_logp, exp.ref_logp, algo.kl_type) * exp.response_mask).sum(-1)
+            reward = reward - algo.kl_coef * seq_kl
+            kl_sum = float(seq_kl.sum())
+        exp.advantages = ADV_ESTIMATORS[algo.adv_estimator](reward, torch.zeros(n, dtype=torch.long),
+                                                            norm_by_std=algo.norm_adv_by_std).float()
+        tokens = int(exp.response_mask.sum())
+        self.groups[slot] = GroupRows(got.prompt, got.responses, exp, tokens, reward, kl_sum)
+        if slot in self.first and self.finite:
+            tr.model.train()
+            # unnormalised (norm 1): the mini-batch's token count divides the gradient at the end
+            self.finite = tr.accumulate_gradient(exp, torch.arange(n), lambda k, v, w: self.sums.append((k, v, w)),
+                                                 norm_tokens=1.0)
+            tr.model.eval()
+            self.first_tokens += tokens
+        self.busy_s += time.perf_counter() - t
+
+
+def fill_batch(groups: list[GroupRows], pad_id: int) -> tuple[Experience, list[int]]:
+    """The kept groups as one batch (in the given order) with their log-probs and advantages,
+    and the first row of each group."""
+    prompts, responses, starts = [], [], []
+    for g in groups:
+        starts.append(len(responses))
+        prompts += [g.prompt] * len(g.responses)
+        responses += g.responses
+    batch = Experience.build(prompts, responses, [0.0] * len(responses), pad_id)
+    W = batch.response_mask.shape[1]
+    has_old = groups[0].exp.old_logp is not None
+    has_ref = groups[0].exp.ref_logp is not None
+    batch.old_logp = torch.zeros_like(batch.response_mask) if has_old else None
+    batch.ref_logp = torch.zeros_like(batch.response_mask) if has_ref else None
+    adv = []
+    for g, s in zip(groups, starts):
+        e = g.exp
+        k, w = e.input_ids.shape[0], min(W, e.response_mask.shape[1])
+        if has_old:
+            batch.old_logp[s:s + k, :w] = e.old_logp[:, :w]
+        if has_ref:
+            batch.ref_logp[s:s + k, :w] = e.ref_logp[:, :w]
+        adv.append(e.advantages)
+    batch.advantages = torch.cat(adv)
+    return batch, starts
+
+
+def stream_update(trainer: PolicyTrainer, streamed: StreamedUpdate, slots: list[int], step: int, seed: int,
+                  mini_batches: int, epochs: int) -> tuple[dict[str, float], Experience | None]:
+    """The update of a prompt-split step once every group is in: the first mini-batch's
+    optimizer step (its gradient already accumulated), then the remaining mini-batches of the
+    first PPO epoch and every mini-batch of the later ones, as :meth:`PolicyTrainer.update`.
+
+    ``slots``: the kept slots, in batch order. Returns the update's metrics and the batch."""
+    if not slots:
+        return {}, None
+    groups = [streamed.groups[s] for s in slots]
+    batch, starts = fill_batch(groups, streamed.pad_id)
+    rows_of = {s: list(range(starts[i], starts[i] + groups[i].exp.input_ids.shape[0])) for i, s in enumerate(slots)}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+
+    def acc(k: str, v: float, w: float = 1.0) -> None:
+        sums[k] = sums.get(k, 0.0) + v * w
+        counts[k] = counts.get(k, 0.0) + w
+
+    for k, v, w in streamed.sums:
+        acc(k, v, w)
+    trainer.model.train()
+    kept = set(slots)
+    for epoch in range(epochs):
+        for i, mb in enumerate(prompt_minibatches(len(streamed.order), mini_batches, seed, step, epoch)):
+            mb = [s for s in mb if s in kept]
+            if epoch == 0 and i == 0:
+                if streamed.first_tokens:
+                    scale = 1.0 / streamed.first_tokens
+                    for p in trainer.model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+                    trainer.optimizer_step(streamed.finite, step, acc)
+                continue
+            if not mb:
+                continue
+            trainer.optimizer.zero_grad(set_to_none=True)
+            idx = torch.tensor([r for s in mb for r in rows_of[s]], dtype=torch.long)
+            trainer.optimizer_step(trainer.accumulate_gradient(batch, idx, acc), step, acc)
+    trainer.model.eval()
+    out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+    out["actor/lr"] = trainer.scheduler.get_last_lr()[0]
+    return out, batch
+
+
+def processing_order(predicted: list[float | None], num_slots: int, seed: int, step: int) -> list[int]:
+    """Slots by predicted length (no history: the batch's median), ties by the slot's draw."""
+    known = sorted(p for p in predicted if p is not None)
+    mid = known[len(known) // 2] if known else 0.0
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + 104729)
+    tie = torch.randperm(num_slots, generator=g).tolist()
+    return sorted(range(num_slots), key=lambda s: (predicted[s] if predicted[s] is not None else mid, tie[s]))
+
+
+__all__ = ["GROUP_LOCAL_ADV", "MINIBATCH_SPLITS", "StreamedUpdate", "GroupRows", "prompt_minibatches", "processing_order",
+           "stream_update", "fill_batch"]
