@@ -22,6 +22,7 @@ What makes that exact rather than approximate:
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,8 +139,6 @@ class StreamedUpdate:
             self._error = e
 
     def _process(self, slot: int) -> None:
-        import time
-
         got = self._arrived[slot]
         if got is None:
             return
