@@ -163,8 +163,8 @@ class TrainerSection:
     # Measured on the built-in recipe's 256 sequences (2 CPU cores): old log-probs + update
     # 1.01-1.03 s with 64-sequence micro-batches, 0.76-0.89 s with budgets of 768-2048 tokens.
     micro_batch_tokens: int = 1536
-    save_every: int = 20
-    eval_every: int = 20
+    save_every: int = 20  # steps between checkpoints (0: the last step only)
+    eval_every: int = 20  # steps between held-out evaluations (0: the last step only)
     max_bad_steps: int = 3
     output_dir: str = "runs/{task}-seed{seed}"
     # Trainer ranks joined by torch.distributed (gloo on CPU, nccl on CUDA). 1: the update runs

@@ -63,9 +63,10 @@ def test_streamed_update_learns_exactly_what_the_same_split_learns_after_the_rol
     # split run after the rollout must learn the same bits: streaming changes only when.
     from rhymerl.training.rl import train
 
-    after = rl_overrides(base_model, tmp_path / "after") + ["trainer.minibatch_split=prompts"]
+    short = ["trainer.steps=2", "trainer.eval_every=0"]
+    after = rl_overrides(base_model, tmp_path / "after") + short + ["trainer.minibatch_split=prompts"]
     train(load_config(None, after), progress=False)
-    train(load_config(None, rl_overrides(base_model, tmp_path / "streamed") + ["trainer.stream_update=true"]),
+    train(load_config(None, rl_overrides(base_model, tmp_path / "streamed") + short + ["trainer.stream_update=true"]),
           progress=False)
     a, b = learning_metrics(tmp_path / "after"), learning_metrics(tmp_path / "streamed")
     assert a == b and any("actor/pg_loss" in r for r in a)

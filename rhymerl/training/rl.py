@@ -786,7 +786,7 @@ class RLRun:
                    initial=self.step, total=cfg.trainer.steps)
         for step in bar:
             m = self.train_step(step)
-            if self.val_rows and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps):
+            if self.val_rows and (_every(step, cfg.trainer.eval_every) or step == cfg.trainer.steps):
                 self.settle()  # the workers finish the batch in flight, then evaluate this step's policy
                 self._push(self.version)
                 m.update(self.evaluate())
@@ -796,7 +796,7 @@ class RLRun:
             bar.set_postfix(reward=f"{m['critic/score/mean']:.2f}", gen=f"{m['timing_s/gen']:.1f}s",
                             acc_fwd=f"{m['spec/accepted_per_forward']:.2f}",
                             val=f"{last_val:.2f}")
-            if step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps:
+            if _every(step, cfg.trainer.save_every) or step == cfg.trainer.steps:
                 # Async: the batch in flight is saved whole, so a resumed run trains on exactly it.
                 self.settle()
                 inflight = None if self.inflight is None else {"step": self.inflight.step,
@@ -817,6 +817,11 @@ class RLRun:
         summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _every(step: int, period: int) -> bool:
+    """Whether a periodic action falls on ``step`` (period <= 0: never; the last step still does)."""
+    return period > 0 and step % period == 0
 
 
 def async_metrics(exp: Experience, staleness: int, cap: float) -> dict[str, float]:
