@@ -307,7 +307,8 @@ def _validate_split(cfg: RunConfig) -> None:
     """The prompt split (and streaming, which needs it) works on one process, synchronously,
     with group-local advantages and a token-mean loss; each conflict is named."""
     from rhymerl.drafting import trains_draft_head
-    from rhymerl.training.stream import GROUP_LOCAL_ADV, MINIBATCH_SPLITS
+    from rhymerl.training.algos import GROUP_LOCAL_ADV
+    from rhymerl.training.stream import MINIBATCH_SPLITS
 
     t, a = cfg.trainer, cfg.algorithm
     if t.minibatch_split not in MINIBATCH_SPLITS:
@@ -325,7 +326,7 @@ def _validate_split(cfg: RunConfig) -> None:
         (a.dynamic_sampling and a.max_resample_batches > 0,
          f"algorithm.max_resample_batches={a.max_resample_batches} (refills join after the rollout)"),
         (a.adv_estimator not in GROUP_LOCAL_ADV,
-         f"algorithm.adv_estimator={a.adv_estimator!r} (needs the whole batch; group-local ones: {list(GROUP_LOCAL_ADV)})"),
+         f"algorithm.adv_estimator={a.adv_estimator!r} (needs the whole batch; group-local ones: {sorted(GROUP_LOCAL_ADV)})"),
         (a.loss_agg_mode != "token-mean", f"algorithm.loss_agg_mode={a.loss_agg_mode!r} (token-mean only)"),
         (trains_draft_head(cfg.rollout.speculative), "an online draft head (rollout.speculative)"),
     ]

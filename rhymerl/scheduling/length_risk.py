@@ -17,15 +17,13 @@ deviations, each in O(grid) from prefix sums, so a planner can binary-search cut
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import erf, log, sqrt
+from math import log, sqrt
 from typing import Callable
 
 import numpy as np
+import torch
 
 from rhymerl.scheduling.cost import StepCost
-
-_erf = np.vectorize(erf, otypes=[np.float64])
-
 
 @dataclass(frozen=True)
 class LengthDists:
@@ -101,7 +99,7 @@ class GroupTime:
         self.grid = np.exp(np.linspace(0.0, np.log(max(2.0, dists.max_tokens)), grid))
         # log P(L <= x) per prompt on the grid; the clip makes the last point certain
         z = (np.log(self.grid)[None, :] - dists.mu[:, None]) / np.maximum(s, 1e-6)[:, None]
-        cdf = 0.5 * (1.0 + _erf(z / sqrt(2.0)))
+        cdf = 0.5 * (1.0 + torch.special.erf(torch.from_numpy(z / sqrt(2.0))).numpy())  # vectorised
         cdf[:, -1] = 1.0
         log_cdf = np.log(np.maximum(cdf, 1e-300))
         mean = dists.mean()

@@ -256,12 +256,12 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     if cores is not None:
         makespan, busy, to_wall = _shared_cores([w.spans for w in ws], cores, threads)
         finished_at = to_wall(finished_at)
-    prompt_done = [0.0] * P
-    for rid, t in enumerate(finished_at):
-        prompt_done[req_prompt[rid]] = max(prompt_done[req_prompt[rid]], t)
+    prompt_done = np.zeros(P)
+    np.maximum.at(prompt_done, np.asarray(req_prompt, dtype=np.int64), np.asarray(finished_at, dtype=np.float64))
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
     tail = 1.0 - ninety_at / makespan if cores is None and ninety_at is not None and makespan > 0 else 0.0
-    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy, tail, prompt_done)
+    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy, tail,
+                     prompt_done.tolist())
 
 
 def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int):

@@ -5,18 +5,23 @@ response tokens. Every function here is testable alone.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 ADV_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+GROUP_LOCAL_ADV: set[str] = set()  # estimators that need a group alone, not the whole batch
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
 OFFPOLICY_CORRECTIONS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def register_adv_est(name: str):
+def register_adv_est(name: str, *, group_local: bool = True):
+    """Register an advantage estimator; ``group_local=False`` when it normalises over the
+    whole batch (then a group cannot be finished before the batch is: no streamed update)."""
     def deco(fn):
         ADV_ESTIMATORS[name] = fn
+        if group_local:
+            GROUP_LOCAL_ADV.add(name)
         return fn
     return deco
 
@@ -86,7 +91,7 @@ def rloo_advantage(scores: torch.Tensor, group: torch.Tensor, **_: object) -> to
     return torch.where(count > 1, scores - loo, torch.zeros_like(scores))
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", group_local=False)
 def reinforce_pp_baseline_advantage(scores: torch.Tensor, group: torch.Tensor, *, eps: float = 1e-6,
                                     **_: object) -> torch.Tensor:
     """REINFORCE++-baseline ``[B]``: subtract the group mean, then whiten over the batch."""
@@ -163,6 +168,24 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Token entropy ``[..., ]`` of categorical logits ``[..., V]``."""
     logp = logits.float().log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def informative(scores: list[float]) -> bool:
+    """DAPO's filter: a group whose rewards are all equal has no advantage to learn from."""
+    return max(scores) != min(scores)
+
+
+def shaped_rewards(scores: torch.Tensor, lengths: torch.Tensor, algo: Any, max_tokens: int,
+                   old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per response: the score plus DAPO's overlong penalty, minus verl's in-reward KL when it is
+    on (each response pays ``kl_coef`` x its summed token KL, from old and reference log-probs);
+    and that per-response KL (None when off). ``algo``: the run's algorithm section."""
+    reward = scores + overlong_penalty(lengths, max_tokens, algo.overlong_buffer, algo.overlong_penalty)
+    if not (algo.use_kl_in_reward and old_logp is not None and ref_logp is not None):
+        return reward, None
+    seq_kl = (kl_penalty(old_logp, ref_logp, algo.kl_type) * mask).sum(-1)
+    return reward - algo.kl_coef * seq_kl, seq_kl
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from rhymerl.engine.outputs import CompletionOutput
 from rhymerl.model import load_pretrained
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.tokenizer import encode_prompt, load_tokenizer, tokenizer_fingerprint
-from rhymerl.training.algos import ADV_ESTIMATORS, kl_penalty, overlong_penalty
+from rhymerl.training.algos import ADV_ESTIMATORS, informative, shaped_rewards
 from rhymerl.training.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -405,7 +405,7 @@ class RLRun:
             reward_s += time.perf_counter() - t
             if streamed is not None:
                 g = scored[i].scores
-                trains = not self.cfg.algorithm.dynamic_sampling or max(g) != min(g)
+                trains = not self.cfg.algorithm.dynamic_sampling or informative(g)
                 streamed.add(i, out.prompt_token_ids if trains else None, [c.token_ids for c in out.outputs], g)
 
         st, pipe = self.rollout.stats, self.rollout.pipe
@@ -460,7 +460,7 @@ class RLRun:
         slot_of = {id(o): i for i, o in enumerate(first.outs)}
         slots = [slot_of[id(o)] for o in kept_outs]
         t = time.perf_counter()
-        upd, _ = stream_update(self.trainer, streamed, slots, step, cfg.seed, cfg.trainer.ppo_mini_batches,
+        upd = stream_update(self.trainer, streamed, slots, step, cfg.seed, cfg.trainer.ppo_mini_batches,
                                cfg.trainer.ppo_epochs)
         metrics.update(upd)
         upd_s = time.perf_counter() - t
@@ -594,7 +594,7 @@ class RLRun:
         filtered = 0
         more_stats: list[dict[str, float]] = []
         if algo.dynamic_sampling:  # DAPO: drop groups that teach nothing, draw more (bounded)
-            keep = [i for i, g in enumerate(scores) if max(g) != min(g)]
+            keep = [i for i, g in enumerate(scores) if informative(g)]
             filtered = len(rows) - len(keep)
             kept_rows = [rows[i] for i in keep]
             kept_outs = [outs[i] for i in keep]
@@ -610,7 +610,7 @@ class RLRun:
                 errors += more.errors
                 timeouts += more.timeouts
                 for r_, o_, s_ in zip(more.rows, more.outs, more.scores):
-                    if max(s_) != min(s_):
+                    if informative(s_):
                         kept_rows.append(r_)
                         kept_outs.append(o_)
                         kept_scores.append(s_)
@@ -631,9 +631,7 @@ class RLRun:
                 flat_scores.append(s)
                 groups.append(gi)
                 lengths.append(len(c.token_ids))
-        score_t = torch.tensor(flat_scores, dtype=torch.float32)
-        reward_t = score_t + overlong_penalty(torch.tensor(lengths), cfg.rollout.max_tokens, algo.overlong_buffer,
-                                              algo.overlong_penalty)
+        reward_t = torch.zeros(0)
         metrics: dict[str, Any] = {}
         self._keep_current(step)
         if first.streamed is not None:
@@ -646,10 +644,10 @@ class RLRun:
             old_s = time.perf_counter() - t
             if self.staleness:
                 metrics.update(async_metrics(exp, step - 1 - first.version, algo.is_cap))
-            if algo.use_kl_in_reward and exp.ref_logp is not None and exp.old_logp is not None:
-                # verl's in-reward KL: each response's reward pays kl_coef x its summed token KL
-                seq_kl = (kl_penalty(exp.old_logp, exp.ref_logp, algo.kl_type) * exp.response_mask).sum(-1)
-                reward_t = reward_t - algo.kl_coef * seq_kl
+            reward_t, seq_kl = shaped_rewards(torch.tensor(flat_scores, dtype=torch.float32), torch.tensor(lengths),
+                                              algo, cfg.rollout.max_tokens, exp.old_logp, exp.ref_logp,
+                                              exp.response_mask)
+            if seq_kl is not None:
                 metrics["critic/kl_in_reward"] = float(seq_kl.mean())
             adv = ADV_ESTIMATORS[algo.adv_estimator](reward_t, torch.tensor(groups),
                                                      norm_by_std=algo.norm_adv_by_std)

@@ -28,12 +28,10 @@ from typing import Any
 
 import torch
 
-from rhymerl.training.algos import ADV_ESTIMATORS, kl_penalty, overlong_penalty
+from rhymerl.training.algos import ADV_ESTIMATORS, shaped_rewards
 from rhymerl.training.trainer import Experience, PolicyTrainer
 
 MINIBATCH_SPLITS = ("auto", "samples", "prompts")  # auto: prompts when streaming, else samples
-# Advantages that depend on the group alone (a group can be finished before the batch is).
-GROUP_LOCAL_ADV = ("grpo", "drgrpo", "rloo")
 
 
 def prompt_minibatches(num_slots: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[list[int]]:
@@ -83,11 +81,11 @@ class StreamedUpdate:
     order: list[int]
     first: set[int]
     background: bool = True
-    groups: dict[int, GroupRows] = field(default_factory=dict)
-    first_tokens: int = 0
-    finite: bool = True
-    sums: list[tuple[str, float, float]] = field(default_factory=list)  # the first mini-batch's metrics
-    busy_s: float = 0.0  # time spent processing, streamed or not
+    groups: dict[int, GroupRows] = field(default_factory=dict, init=False)
+    first_tokens: int = field(default=0, init=False)
+    finite: bool = field(default=True, init=False)
+    sums: list[tuple[str, float, float]] = field(default_factory=list, init=False)  # the first mini-batch's metrics
+    busy_s: float = field(default=0.0, init=False)  # time spent processing, streamed or not
 
     def __post_init__(self) -> None:
         self._arrived: dict[int, _Slot | None] = {}
@@ -148,14 +146,10 @@ class StreamedUpdate:
         n = len(got.responses)
         exp = Experience.build([got.prompt] * n, got.responses, [0.0] * n, self.pad_id)
         tr.compute_logps(exp)
-        lengths = torch.tensor([len(x) for x in got.responses])
-        reward = torch.tensor(got.scores, dtype=torch.float32) + overlong_penalty(
-            lengths, r.max_tokens, algo.overlong_buffer, algo.overlong_penalty)
-        kl_sum = 0.0
-        if algo.use_kl_in_reward and exp.ref_logp is not None and exp.old_logp is not None:
-            seq_kl = (kl_penalty(exp.old_logp, exp.ref_logp, algo.kl_type) * exp.response_mask).sum(-1)
-            reward = reward - algo.kl_coef * seq_kl
-            kl_sum = float(seq_kl.sum())
+        reward, seq_kl = shaped_rewards(torch.tensor(got.scores, dtype=torch.float32),
+                                        torch.tensor([len(x) for x in got.responses]), algo, r.max_tokens,
+                                        exp.old_logp, exp.ref_logp, exp.response_mask)
+        kl_sum = float(seq_kl.sum()) if seq_kl is not None else 0.0
         exp.advantages = ADV_ESTIMATORS[algo.adv_estimator](reward, torch.zeros(n, dtype=torch.long),
                                                             norm_by_std=algo.norm_adv_by_std).float()
         tokens = int(exp.response_mask.sum())
@@ -179,7 +173,6 @@ def fill_batch(groups: list[GroupRows], pad_id: int) -> tuple[Experience, list[i
         prompts += [g.prompt] * len(g.responses)
         responses += g.responses
     batch = Experience.build(prompts, responses, [0.0] * len(responses), pad_id)
-    W = batch.response_mask.shape[1]
     has_old = groups[0].exp.old_logp is not None
     has_ref = groups[0].exp.ref_logp is not None
     batch.old_logp = torch.zeros_like(batch.response_mask) if has_old else None
@@ -187,7 +180,7 @@ def fill_batch(groups: list[GroupRows], pad_id: int) -> tuple[Experience, list[i
     adv = []
     for g, s in zip(groups, starts):
         e = g.exp
-        k, w = e.input_ids.shape[0], min(W, e.response_mask.shape[1])
+        k, w = e.input_ids.shape[0], e.response_mask.shape[1]  # a group is never wider than the batch
         if has_old:
             batch.old_logp[s:s + k, :w] = e.old_logp[:, :w]
         if has_ref:
@@ -198,14 +191,14 @@ def fill_batch(groups: list[GroupRows], pad_id: int) -> tuple[Experience, list[i
 
 
 def stream_update(trainer: PolicyTrainer, streamed: StreamedUpdate, slots: list[int], step: int, seed: int,
-                  mini_batches: int, epochs: int) -> tuple[dict[str, float], Experience | None]:
+                  mini_batches: int, epochs: int) -> dict[str, float]:
     """The update of a prompt-split step once every group is in: the first mini-batch's
     optimizer step (its gradient already accumulated), then the remaining mini-batches of the
     first PPO epoch and every mini-batch of the later ones, as :meth:`PolicyTrainer.update`.
 
-    ``slots``: the kept slots, in batch order. Returns the update's metrics and the batch."""
+    ``slots``: the kept slots, in batch order. Returns the update's metrics."""
     if not slots:
-        return {}, None
+        return {}
     groups = [streamed.groups[s] for s in slots]
     batch, starts = fill_batch(groups, streamed.pad_id)
     rows_of = {s: list(range(starts[i], starts[i] + groups[i].exp.input_ids.shape[0])) for i, s in enumerate(slots)}
@@ -239,7 +232,7 @@ def stream_update(trainer: PolicyTrainer, streamed: StreamedUpdate, slots: list[
     trainer.model.eval()
     out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
     out["actor/lr"] = trainer.scheduler.get_last_lr()[0]
-    return out, batch
+    return out
 
 
 def processing_order(predicted: list[float | None], num_slots: int, seed: int, step: int) -> list[int]:
@@ -251,5 +244,5 @@ def processing_order(predicted: list[float | None], num_slots: int, seed: int, s
     return sorted(range(num_slots), key=lambda s: (predicted[s] if predicted[s] is not None else mid, tie[s]))
 
 
-__all__ = ["GROUP_LOCAL_ADV", "MINIBATCH_SPLITS", "StreamedUpdate", "GroupRows", "prompt_minibatches", "processing_order",
+__all__ = ["MINIBATCH_SPLITS", "StreamedUpdate", "GroupRows", "prompt_minibatches", "processing_order",
            "stream_update", "fill_batch"]
