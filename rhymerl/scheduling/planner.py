@@ -11,8 +11,10 @@ Policies (all keep the step's barrier: nothing here is off-policy):
   paper's; allocation: a worker gets few long samples or many short ones), the same cut
   over prompts' length *distributions* (``spread``: each sample priced with its prompt's
   whole spread and the measured prediction error, see :mod:`rhymerl.scheduling.length_risk`;
-  siblings split wherever the cut falls), or LPT over prompts (long and short work mixed),
-  whichever the simulator finishes first on lengths drawn with the prediction's error; groups
+  siblings split wherever the cut falls), LPT over prompts (long and short work mixed), or the
+  samples ranked by risk and dealt across the workers in turn (``stripe``: every worker an equal
+  share of each risk band), whichever the simulator finishes first on lengths drawn with the
+  prediction's error; groups
   placed on workers in complementary order across steps (odd steps group 0 on worker 0,
   even steps reversed), each worker's queue longest first; at run time, tail migration.
 - ``oracle``: the same plan from the true lengths (a bound no real run can have).
@@ -152,7 +154,7 @@ def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray
     return bounds
 
 
-PLACEMENTS = ("auto", "lpt", "contiguous", "spread")
+PLACEMENTS = ("auto", "lpt", "contiguous", "spread", "stripe")
 
 
 def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers: int, *,
@@ -177,7 +179,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
             estimate is lowest: long and short work mix), ``contiguous`` (the paper's
             groups: the ranking cut into contiguous groups by a binary-searched budget),
             ``spread`` (the same cut, each group priced under the prompts' length
-            distributions), or ``auto`` (whichever the simulator finishes first in the worse of two
+            distributions), ``stripe`` (samples ranked by risk, dealt to the workers in snake
+            order), or ``auto`` (whichever the simulator finishes first in the worse of two
             draws of lengths from those distributions, seeded by the step).
         error_sigma: how far (log) a prompt's mean length moved from its prediction on the
             last step (the coordinator measures it); ``spread`` and ``auto`` price it in.
@@ -213,6 +216,7 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         "lpt": lambda: _lpt(lens, R, cost, max_num_seqs, prompt_len),
         "contiguous": lambda: _contiguous(lens, R, cost, max_num_seqs, prompt_len),
         "spread": lambda: _spread(dists, [len(x) for x in lens], R, cost, max_num_seqs, prompt_len),
+        "stripe": lambda: _stripe(dists, [len(x) for x in lens], R),
     }
     if placement == "auto" and R == 1:
         placement = "contiguous"  # one worker: every placement is the same, no need to simulate them
@@ -301,6 +305,22 @@ def _spread(dists: LengthDists, n: list[int], R: int, cost: StepCost, max_num_se
     bounds = cut_contiguous(est, len(units), R)
     groups = [units[bounds[g]:bounds[g + 1]] for g in range(len(bounds) - 1)]
     return groups + [[] for _ in range(R - len(groups))]
+
+
+def _stripe(dists: LengthDists, n: list[int], R: int) -> list[list[tuple[int, int]]]:
+    """Samples ranked by their prompt's risk and dealt across the workers in snake order (0 to
+    R-1, then back): each worker gets an equal share of every risk band, longest first. Where a
+    prompt's samples scatter widely, no plan knows which sibling runs long; least-loaded routing
+    deals in arrival order and balances the bands by chance, this deals them by design."""
+    order = np.argsort(-dists.risk(), kind="stable")
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    i = 0
+    for p in order:
+        for s in range(n[p]):
+            lap, j = divmod(i, R)
+            groups[j if lap % 2 == 0 else R - 1 - j].append((int(p), s))
+            i += 1
+    return groups
 
 
 def _contiguous(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
