@@ -72,7 +72,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
 
-        run(ns.json, quick=ns.quick)
+        run(ns.json, quick=ns.quick, only=tuple(ns.variants.split(",")) if ns.variants else None)
     elif ns.which == "pipe":
         from rhymerl.bench.pipe import run
 
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--draft-head", help="spec: a saved draft head (default: the main job's newest checkpoint's)")
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
+    b.add_argument("--variants", help="e2e: comma-separated subset (the baseline and what they are compared "
+                                      "with always run)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.add_argument("--no-speculation", action="store_true",
                    help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")

@@ -138,6 +138,29 @@ def test_spread_placement_beats_least_loaded_on_noisy_reasoning_lengths():
         assert total["spread"] < total["contiguous"], (kind, total)
 
 
+@pytest.mark.parametrize("kind", ["reasoning", "lognormal", "heavy_tail"])
+def test_stripe_placement_is_never_slower_than_least_loaded(kind):
+    # Dealing the samples in snake order by predicted risk balances every risk band across the
+    # workers by design; least-loaded routing deals them in arrival order (by chance). Summed
+    # over two workloads at 64 workers, on every synthetic trace.
+    from rhymerl.bench.pipe import MAX_TOKENS, scaled_workload, synthetic_pairs
+    from rhymerl.scheduling import GPU_8B_H100
+    from rhymerl.scheduling.length_predictor import predicted_samples
+
+    pairs = synthetic_pairs(kind, 1024, 16, np.random.default_rng(3))
+    err = log_error_sigma([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
+    total = {"least_loaded": 0.0, "stripe": 0.0}
+    for seed in (4, 5):
+        true, prev = scaled_workload(pairs, 64 * 16, 16, 1.0, np.random.default_rng(seed))
+        guess = predicted_samples(prev, [16] * len(prev))
+        for name in total:
+            policy, placement = ("least_loaded", "auto") if name == "least_loaded" else ("histopipe", name)
+            plan = make_plan(policy, guess, 64, cost=GPU_8B_H100, max_num_seqs=256, prompt_len=256,
+                             placement=placement, error_sigma=err, max_tokens=MAX_TOKENS)
+            total[name] += simulate(plan, true, 256, GPU_8B_H100, max_num_seqs=256).makespan_s
+    assert total["stripe"] < total["least_loaded"], total
+
+
 def test_streamed_step_model():
     from rhymerl.scheduling.step_model import streamed_s
 
@@ -394,4 +417,22 @@ def test_step_model_projection_rows():
     for r in rows.values():
         assert 0 <= r["bubble_fraction"] < 1 and 0 < r["rollout_share"] <= 1
     # speculation that accepts nothing more than it drafts only costs
-    assert step_time(small, histospec=True, accept=1.01).rollout_s > rows["baseline"]["rollout_s"]
+    assert step_time(small, spec="histospec", accept=1.01).rollout_s > rows["baseline"]["rollout_s"]
+    # a model drafter pays its draft forwards on the GPU: at history's acceptance it is slower
+    # than history's free drafts, and the bigger drafter the slower
+    same = replace(small, accept_model=small.accept_histospec)
+    spec = {m: step_time(same, spec=m).rollout_s for m in ("histospec", "draft_head", "draft_model")}
+    assert spec["histospec"] < spec["draft_head"] < spec["draft_model"] < rows["baseline"]["rollout_s"]
+    assert rows["+hybrid"]["rollout_s"] < rows["+draft_head"]["rollout_s"]
+    with pytest.raises(KeyError, match="valid: none, histospec"):
+        step_time(small, spec="eagle9")
+
+
+def test_simulated_workers_slow_each_other_by_the_measured_contention():
+    # two one-thread workers on two cores: no shared core, but a measured slow-down while both run
+    cost = StepCost((1, 64), (0.01, 0.01), 0.0, "flat")
+    true = [[100] * 4, [100] * 4]
+    plan = make_plan("even", true, 2, cost=cost, max_num_seqs=8)
+    alone = simulate(plan, true, 1, cost, max_num_seqs=8, cores=2, threads=1)
+    both = simulate(plan, true, 1, cost, max_num_seqs=8, cores=2, threads=1, contention=1.25)
+    assert both.makespan_s == pytest.approx(1.25 * alone.makespan_s)

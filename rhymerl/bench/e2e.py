@@ -23,76 +23,24 @@ from typing import Any
 
 import numpy as np
 
+from rhymerl.bench.calibrate import calibrate
 from rhymerl.bench.common import print_table, write_report
-from rhymerl.config import minibatch_split
 from rhymerl.training.metrics import read_metrics
 
 SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 
 
-def calibrate(model: str, cfg: Any) -> Any:
-    """This machine's costs for the whole-step model, measured apart from the runs it predicts:
-    the engine's step curve (all cores; one thread), and the trainer's seconds per token on a
-    batch of the runs' shape (the base model's own responses to held-out prompts, which the runs
-    never train on)."""
-    import os
-
-    import torch
-
-    from rhymerl.model import load_pretrained
-    from rhymerl.scheduling import StepCost
-    from rhymerl.scheduling.step_model import LocalCosts
-    from rhymerl.training.trainer import PolicyTrainer
-
-    batches = (1, 8, 32, 64, 128, 256)
-    engine = StepCost.profile(model, batches=batches, name="engine, this process")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine_1t = StepCost.profile(model, batches=batches, name="engine, one thread")
-    finally:
-        torch.set_num_threads(before)
-    from rhymerl.data.splits import task_splits
-    from rhymerl.engine import LLM, SamplingParams
-    from rhymerl.tokenizer import encode_prompt, load_tokenizer
-    from rhymerl.training.trainer import Experience
-
-    r = cfg.rollout
-    tok = load_tokenizer(model)
-    held_out = task_splits(cfg.data, cfg.seed)[1][: cfg.trainer.batch_prompts]
-    prompts = [encode_prompt(tok, row.prompt) for row in held_out]
-    outs = LLM(model, max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len).generate(
-        prompts, SamplingParams(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens, seed=7), use_tqdm=False)
-    pairs = [(o.prompt_token_ids, c.token_ids) for o in outs for c in o.outputs]
-    exp = Experience.build([p for p, _ in pairs], [c for _, c in pairs],
-                           list(np.random.default_rng(0).normal(size=len(pairs))), tok.pad_token_id or 0)
-    tokens = float(sum(len(p) + len(c) for p, c in pairs))
-    policy = load_pretrained(model)
-    trainer = PolicyTrainer(policy, cfg.trainer, cfg.algorithm, torch.device("cpu"),
-                            total_optimizer_steps=100, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-
-    def train_once() -> tuple[float, float]:
-        t = time.perf_counter()
-        trainer.compute_logps(exp)
-        t_logp = time.perf_counter() - t
-        trainer.update(exp, step=1, seed=0)
-        return time.perf_counter() - t, t_logp
-
-    train_once()
-    alone_t, logp_t = min(train_once() for _ in range(3))
-    return LocalCosts(engine, engine_1t, alone_t / tokens, os.cpu_count() or 1, torch.get_num_threads(),
-                      logp_share=logp_t / alone_t)
-
-
 def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int, policy: str, in_process: bool,
-                    async_rl: bool, max_num_seqs: int, stream: tuple[int, int] | None = None) -> list[float]:
-    """The whole-step model's time of every logged step of one variant, from the variant's own
-    length and forward traces (what speculation did), with ``costs`` measured before the runs.
-    ``stream``: (seed, mini-batches) of a variant whose update streams into its rollout."""
+                    async_rl: bool, max_num_seqs: int, threads: int, drafts: bool,
+                    stream: tuple[int, int] | None = None) -> list[dict[str, float]]:
+    """The whole-step model's time of every logged step of one variant (``step_s``, with its
+    rollout's ``gen_s`` and the trainer's ``train_s`` alone), from the variant's own length and
+    forward traces (what speculation did), with ``costs`` measured before the runs.
+    ``threads``: each worker process's; ``drafts``: the history drafter runs; ``stream``: (seed,
+    mini-batches) of a variant whose update streams into its rollout."""
     import json
 
-    from rhymerl.scheduling.step_model import (local_rollout, local_rollout_s, overlapped_s, shared_slowdowns,
-                                               streamed_s)
+    from rhymerl.scheduling.step_model import local_rollout, local_rollout_s, overlapped_s, streamed_s
     from rhymerl.training.stream import processing_order, prompt_minibatches
 
     traces = {t["step"]: t for t in map(json.loads, (run_dir / "traces.jsonl").read_text().splitlines())}
@@ -104,16 +52,17 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
         drafted = accepted / r["spec/acceptance_rate"] if r.get("spec/acceptance_rate") else 0.0
         scored = 1.0 + drafted / max(1.0, rows_f)
         forwards = [[max(1, f) for f in fs] for fs in t["forwards"]]
+        shape = dict(predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs, threads=threads,
+                     drafts=drafts)
         rollout = local_rollout_s(costs, forwards, t["prompt_lens"], workers=workers, policy=policy,
-                                  predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
-                                  in_process=in_process)
+                                  in_process=in_process, **shape)
         trained = t.get("trained", [True] * len(t["lengths"]))
         tokens = sum(p * len(ls) + sum(ls) for p, ls, k in zip(t["prompt_lens"], t["lengths"], trained) if k)
         train = costs.train_s_per_token * tokens
+        slow_r, slow_t = costs.slowdowns(threads)
         if stream is not None:
             seed, mbs = stream
-            sim = local_rollout(costs, forwards, t["prompt_lens"], workers=1, policy="even", predicted=t["predicted"],
-                                scored_per_row=scored, max_num_seqs=max_num_seqs, in_process=False)
+            sim = local_rollout(costs, forwards, t["prompt_lens"], workers=1, policy="even", in_process=False, **shape)
             P = len(t["lengths"])
             first = set(prompt_minibatches(P, mbs, seed, r["step"], 0)[0])
             order = processing_order(t["predicted"], P, seed, r["step"])
@@ -122,24 +71,25 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
                      for g in range(P)]
             work = [per_tok * g_tok[g] * (share + (1 - share) * (g in first)) for g in order]
             streamed = sum(work)
-            # the worker process keeps every core's thread, the controller its own
-            slow_r, slow_t = shared_slowdowns(costs.cores, costs.cores, costs.train_threads)
-            out.append(streamed_s(sim.makespan_s, [sim.prompt_done_s[g] for g in order], work, train - streamed,
-                                  slow_r, slow_t))
-            continue
-        if async_rl:  # this step's update beside the next batch's rollout (one thread, its own process)
-            alone = local_rollout_s(costs, forwards, t["prompt_lens"], workers=1, policy="even",
-                                    predicted=t["predicted"], scored_per_row=scored, max_num_seqs=max_num_seqs,
-                                    in_process=False)
-            slow_r, slow_t = shared_slowdowns(costs.cores, 1, costs.train_threads)
-            out.append(overlapped_s(alone, train, slow_r, slow_t))
+            step = streamed_s(sim.makespan_s, [sim.prompt_done_s[g] for g in order], work, train - streamed,
+                              slow_r, slow_t)
+        elif async_rl:  # this step's update beside the next batch's rollout (its own process)
+            step = overlapped_s(rollout, train, slow_r, slow_t)
         else:
-            out.append(rollout + train)
+            step = rollout + train
+        out.append({"step_s": step, "gen_s": rollout, "train_s": train})
     return out
 
 
+# variant -> the variant its learning metrics must equal (async RL and the prompt split learn
+# other things than the baseline; speculation, scheduling and streaming never change them)
+COMPARED_WITH = {"async_histospec": "async", "stream": "prompt_split"}
+
+
 def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
-        extra: list[str] | None = None) -> dict[str, Any]:
+        extra: list[str] | None = None, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every variant (or ``only`` those, with the baseline and what they are compared with), a
+    step each in turn."""
     from rhymerl.config import load_config
     from rhymerl.training.rl import RLRun, ensure_base_model
 
@@ -153,7 +103,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
     print("calibrating the whole-step model (engine curves, trainer cost per token)", flush=True)
     costs = calibrate(base, load_config(None, common))
-    print(f"  trainer {1e6 * costs.train_s_per_token:.1f} us/token", flush=True)
+    print(f"  trainer {1e6 * costs.train_s_per_token:.1f} us/token; history drafter "
+          f"{1e6 * costs.history_draft_s_per_row:.1f} us/row; side by side: engine beside engine "
+          f"x{costs.engine_pair_slowdown:.2f}, (engine, trainer) by the engine's threads "
+          + ", ".join(f"{k}: x{a:.2f}, x{b:.2f}" for k, (a, b) in costs.beside_trainer.items()), flush=True)
     variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
                 # two local worker processes (one core each): scheduling off (even split) and on
                 "histospec+even2": ["rollout.speculative.method=history", "rollout.workers=2",
@@ -166,6 +119,12 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                 # the update streamed into the rollout's tail, and the same prompt split after it
                 "prompt_split": ["rollout.speculative.method=none", "trainer.minibatch_split=prompts"],
                 "stream": ["rollout.speculative.method=none", "trainer.stream_update=true"]}
+    if only:
+        unknown = sorted(set(only) - set(variants))
+        if unknown:
+            raise ValueError(f"bench e2e: unknown variant(s) {unknown}; valid: {', '.join(variants)}")
+        keep = {"baseline", *only, *(COMPARED_WITH[v] for v in only if v in COMPARED_WITH)}
+        variants = {k: v for k, v in variants.items() if k in keep}
     runs: dict[str, RLRun] = {}
     try:  # built inside: a variant that fails to start still stops the workers of those before it
         for name, ov in variants.items():
@@ -197,14 +156,15 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     # its batches), so the async variants are compared with each other.
     # The prompt split draws other mini-batches than the default: streamed, it must learn what
     # it learns after the rollout.
-    same_as = {k: "async" if runs[k].cfg.trainer.async_staleness else
-               "prompt_split" if minibatch_split(runs[k].cfg) == "prompts" else "baseline" for k in learn}
+    same_as = {k: COMPARED_WITH.get(k, k if k in COMPARED_WITH.values() else "baseline") for k in learn}
     same = {k: learn[k] == learn[same_as[k]] for k in learn}
     rows_out = []
-    from rhymerl.distribution.factory import in_process_worker
+    from rhymerl.distribution.factory import in_process_worker, worker_specs
 
     shape = {name: dict(workers=r.cfg.rollout.workers, policy=r.cfg.rollout.schedule, in_process=in_process_worker(r.cfg),
-                        async_rl=r.cfg.trainer.async_staleness > 0) for name, r in runs.items()}
+                        async_rl=r.cfg.trainer.async_staleness > 0,
+                        threads=worker_specs(r.cfg, base)[0].threads or costs.cores,
+                        drafts=r.cfg.rollout.speculative.method != "none") for name, r in runs.items()}
     # the first epoch's prompts have no history yet: the "after epoch 1" columns leave it out
     skip = min(num_train // batch_prompts, steps - 1)
     for name, rows in results.items():
@@ -216,21 +176,27 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         sim = simulated_steps(costs, tmp / name, rows, max_num_seqs=c.rollout.max_num_seqs,
                               stream=(c.seed, c.trainer.ppo_mini_batches) if c.trainer.stream_update else None,
                               **shape[name])
-        rows_out.append({"variant": name, "step_s": mean("timing_s/step"), "simulated_step_s": float(np.mean(sim)),
-                         "sim_error": float(np.mean(sim)) / mean("timing_s/step") - 1, "gen_s": mean("timing_s/gen"),
+        sim_step = float(np.mean([x["step_s"] for x in sim]))
+        rows_out.append({"variant": name, "step_s": mean("timing_s/step"), "simulated_step_s": sim_step,
+                         "sim_error": sim_step / mean("timing_s/step") - 1, "gen_s": mean("timing_s/gen"),
+                         "simulated_gen_s": float(np.mean([x["gen_s"] for x in sim])),
+                         "simulated_train_s": float(np.mean([x["train_s"] for x in sim])),
                          "update_s": mean("timing_s/update") + mean("timing_s/old_logp"),
                          "step_s_after_epoch1": mean("timing_s/step", late),
                          "gen_s_after_epoch1": mean("timing_s/gen", late),
                          "accepted_per_forward": mean("spec/accepted_per_forward", late),
                          "final_score": rows[-1]["critic/score/mean"], "same_learning_metrics": same[name],
+                         "learning_max_rel_diff": max_rel_diff(learn[name], learn[same_as[name]]),
                          "learning_compared_with": same_as[name]})
     base_row = rows_out[0]
     for r in rows_out:
         r["speedup"] = base_row["step_s"] / r["step_s"]
         r["gen_speedup"] = base_row["gen_s"] / r["gen_s"]
-    print_table(rows_out, ["variant", "step_s", "simulated_step_s", "sim_error", "gen_s", "update_s",
+    print_table(rows_out, ["variant", "step_s", "simulated_step_s", "sim_error", "gen_s", "simulated_gen_s",
+                           "update_s", "simulated_train_s",
                            "gen_s_after_epoch1", "accepted_per_forward",
-                           "speedup", "gen_speedup", "final_score", "same_learning_metrics"])
+                           "speedup", "gen_speedup", "final_score", "same_learning_metrics",
+                           "learning_max_rel_diff"])
     _plot(results, Path(json_path).with_suffix(".png") if json_path else tmp / "e2e.png")
     try:  # TRL side by side, when the optional `trl` extra is installed
         import trl  # noqa: F401
@@ -242,9 +208,26 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         rows_out += trl_rows
     except ImportError:
         print("trl not installed: no TRL rows (pip install 'trl==1.16.*' with torch pinned)")
-    report = write_report(rows_out, json_path)
+    report = write_report(rows_out, json_path, {"step_s_by_variant": {k: [r["timing_s/step"] for r in rows]
+                                                                      for k, rows in results.items()}})
     shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def max_rel_diff(a: list[dict], b: list[dict]) -> float:
+    """The largest relative difference between two runs' learning metrics, step by step (0.0:
+    the same bits). Async RL trains on the engine's own log-probs, whose last bits differ with
+    speculation unless ``rollout.invariant=true``; the tokens and rewards are the same."""
+    worst = 0.0 if len(a) == len(b) else float("inf")
+    for x, y in zip(a, b):
+        for k in x.keys() | y.keys():
+            u, v = x.get(k), y.get(k)
+            if u == v:
+                continue
+            if not isinstance(u, (int, float)) or not isinstance(v, (int, float)):
+                return float("inf")
+            worst = max(worst, abs(u - v) / max(abs(u), abs(v), 1e-12))
+    return worst
 
 
 def _plot(results: dict[str, list[dict]], path: Path) -> None:

@@ -37,8 +37,9 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     else:
         devices = ["cpu" if device == "auto" else device] * R
     in_process = in_process_worker(cfg)
-    # Async RL trains while the workers generate: the trainer keeps a share of the cores.
-    sharers = R + (1 if cfg.trainer.async_staleness else 0)
+    # Async RL and a streamed update train while the workers generate: the trainer keeps a share
+    # of the cores (on 2 cores a 2-thread worker beside the 2-thread trainer slowed both 3-12x).
+    sharers = R + (1 if cfg.trainer.async_staleness or cfg.trainer.stream_update else 0)
     threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // sharers))
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                        device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,

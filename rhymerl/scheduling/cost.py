@@ -80,11 +80,14 @@ class StepCost:
 
     @classmethod
     def profile(cls, model, *, batches: tuple[int, ...] = (1, 4, 16, 64, 128), tokens: int = 24,
-                prompt_len: int = 40, device: str = "cpu", name: str = "profiled") -> "StepCost":
+                prompt_len: int = 40, device: str = "cpu", name: str = "profiled",
+                typical: bool = False) -> "StepCost":
         """Measure a plain (no speculation) engine on ``model`` at each batch size.
 
         Times whole ``generate`` calls of ``tokens`` forced tokens (EOS ignored) and divides by
-        the decode steps; the prefill cost per token comes from a batch of prompts.
+        the decode steps; the prefill cost per token comes from a batch of prompts. Each time is
+        the best of three calls, or with ``typical`` their median (what a run's steps cost on a
+        machine whose speed varies, rather than its best case).
         """
         from rhymerl.engine import LLM, SamplingParams
 
@@ -97,12 +100,12 @@ class StepCost:
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
 
         def best_of(batch: list, params: SamplingParams, reps: int = 3) -> float:
-            best = float("inf")
+            times = []
             for _ in range(reps):
                 t = time.perf_counter()
                 llm.generate(batch, params, use_tqdm=False)
-                best = min(best, time.perf_counter() - t)
-            return best
+                times.append(time.perf_counter() - t)
+            return float(np.median(times)) if typical else min(times)
 
         secs = []
         for B in batches:

@@ -62,12 +62,15 @@ class _Worker:
 
 def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int, cost: StepCost, *,
              max_num_seqs: int, predicted: np.ndarray | None = None, tail_fraction: float = 0.1,
-             cores: float | None = None, threads: int = 1) -> SimResult:
+             cores: float | None = None, threads: int = 1, contention: float = 1.0) -> SimResult:
     """Simulate ``plan`` when sample s of prompt p really produces ``lengths[p][s]`` tokens.
 
     ``cores``: the workers share this many cores, ``threads`` each, and ``cost`` is one
     worker's curve when it runs alone; while n of them are busy each runs
-    ``max(1, n * threads / cores)`` times slower. None: every worker has its own device.
+    ``max(1, n * threads / cores)`` times slower, and ``contention`` times slower again while
+    more than one is busy (what workers cost each other beyond the cores they hold: memory
+    bandwidth, caches, clocks; measured, ``rhymerl bench e2e``). None: every worker has its own
+    device.
 
     With ``plan.migrate``, an idle worker first takes a not-yet-started sample from the
     worker with the most waiting; then, once at most ``tail_fraction`` of the samples are
@@ -254,7 +257,7 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     makespan = max((w.done_at for w in ws), default=0.0)
     busy = [w.busy for w in ws]
     if cores is not None:
-        makespan, busy, to_wall = _shared_cores([w.spans for w in ws], cores, threads)
+        makespan, busy, to_wall = _shared_cores([w.spans for w in ws], cores, threads, contention)
         finished_at = to_wall(finished_at)
     prompt_done = np.zeros(P)
     np.maximum.at(prompt_done, np.asarray(req_prompt, dtype=np.int64), np.asarray(finished_at, dtype=np.float64))
@@ -264,10 +267,11 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
                      prompt_done.tolist())
 
 
-def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int):
+def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int, contention: float = 1.0):
     """Wall-clock makespan and busy time per worker from busy intervals in a worker's own time,
-    when n busy workers each run ``max(1, n * threads / cores)`` times slower; and the map
-    from a worker's own time to the wall clock."""
+    when n busy workers each run ``max(1, n * threads / cores)`` times slower (and
+    ``contention`` times more when n > 1); and the map from a worker's own time to the wall
+    clock."""
     edges = sorted({x for ws in spans for sp in ws for x in sp})
     if not edges:
         return 0.0, [0.0] * len(spans), lambda ts: list(ts)
@@ -281,7 +285,7 @@ def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads:
     n = 0
     for a, b in zip(edges, edges[1:]):
         n += delta.get(a, 0)
-        wall[b] = wall[a] + (b - a) * max(1.0, n * threads / cores)
+        wall[b] = wall[a] + (b - a) * max(1.0, n * threads / cores) * (contention if n > 1 else 1.0)
     xs, ys = np.array(edges), np.array([wall[e] for e in edges])
     return (wall[edges[-1]], [sum(wall[b] - wall[a] for a, b in ws) for ws in spans],
             lambda ts: np.interp(np.asarray(ts, dtype=np.float64), xs, ys).tolist())

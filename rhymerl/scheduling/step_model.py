@@ -9,7 +9,8 @@ how the projected speed-ups move when the least certain of them do.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,13 @@ class ModelShape:
 
 DENSE_8B = ModelShape("dense 8B (Llama-3.1-8B shape)", 8.03e9, 8.03e9, 32 * 8 * 128 * 2 * 2)
 MOE_235B = ModelShape("MoE 235B-A22B (Qwen3-235B-A22B shape)", 235e9, 22e9, 94 * 4 * 128 * 2 * 2)
+# Model drafters, run on the target engine's GPUs (docs/projection.md): a small model of the same
+# family, and an Eagle-style head (one decoder layer; the target's LM head read again per draft)
+DRAFT_1B = ModelShape("draft model (Llama-3.2-1B shape)", 1.24e9, 1.24e9, 16 * 8 * 64 * 2 * 2)
+DRAFT_1_7B = ModelShape("draft model (Qwen3-1.7B shape)", 1.7e9, 1.7e9, 28 * 8 * 128 * 2 * 2)
+HEAD_8B = ModelShape("draft head (1 layer + LM head, 8B)", 0.218e9 + 0.525e9, 0.218e9 + 0.525e9, 8 * 128 * 2 * 2)
+HEAD_235B = ModelShape("draft head (1 dense layer + LM head, 235B)", 0.222e9 + 0.622e9, 0.222e9 + 0.622e9,
+                       4 * 128 * 2 * 2)
 
 
 @dataclass(frozen=True)
@@ -85,28 +93,61 @@ class Scale:
     accept_histospec: float = 2.5  # tokens per verification forward, drafts from history
     draft_tokens: int = 4  # drafted tokens scored per row in a verification forward
     ppo_mini_batches: int = 2  # optimizer steps per rollout; the first one can stream (trainer.stream_update)
+    draft_model: ModelShape = DRAFT_1B
+    draft_head: ModelShape = HEAD_8B
+    accept_model: float = 2.25  # tokens per verification forward, model drafts (NeMo-RL: 2.05-2.47)
+    hybrid_gain: float = 1.17  # the hybrid's tokens per forward over history alone (measured here, README)
+
+
+def speculation(scale: Scale, method: str) -> tuple[float, ModelShape | None]:
+    """(tokens per verification forward, the model whose ``draft_tokens`` forwards precede each
+    verification on the engine's GPUs; None: drafts cost the GPU nothing) of ``method``."""
+    if method not in SPEC_METHODS:
+        raise KeyError(f"unknown speculation method {method!r}; valid: {', '.join(SPEC_METHODS)}")
+    return SPEC_METHODS[method](scale)
+
+
+# A method of speculation is one line: its acceptance and what drafts on the GPU.
+SPEC_METHODS = {
+    "none": lambda s: (1.0, None),
+    "histospec": lambda s: (s.accept_histospec, None),  # CPU lookups, overlapped
+    "draft_model": lambda s: (s.accept_model, s.draft_model),
+    "draft_head": lambda s: (s.accept_model, s.draft_head),
+    # per request the better of history and the head: the head runs for every row to be compared
+    "hybrid": lambda s: (s.accept_histospec * s.hybrid_gain, s.draft_head),
+}
 
 
 SCALES = {
     "8b_32gpu": Scale("dense 8B, 32 H100", DENSE_8B, 32, 1, 256, 16, Lengths(max_len=8192)),
     "235b_256gpu": Scale("MoE 235B-A22B, 256 H100", MOE_235B, 256, 16, 256, 16,
-                         Lengths(median=6000, max_len=32768, prompt_len=1024)),
+                         Lengths(median=6000, max_len=32768, prompt_len=1024), draft_model=DRAFT_1_7B,
+                         draft_head=HEAD_235B),
 }
 
 
-def engine_cost(scale: Scale, engine_gpus: int, *, scored: float = 1.0, avg_context: float = 0.0) -> StepCost:
+def engine_cost(scale: Scale, engine_gpus: int, *, scored: float = 1.0, avg_context: float = 0.0,
+                drafter: ModelShape | None = None) -> StepCost:
     """One engine's decode (or verification) step time against its batch size: the weights read
     once per step (for a mixture of experts at these batches, nearly every expert is hit), plus
-    per sequence its KV cache and its ``scored`` tokens' matmuls."""
-    g, m = scale.gpu, scale.model
+    per sequence its KV cache and its ``scored`` tokens' matmuls; with a ``drafter``, its
+    ``draft_tokens`` draft forwards (one token per row each) before the verification."""
+    g = scale.gpu
     bw = engine_gpus * g.hbm_bytes_s * g.mem_eff
     flops = engine_gpus * g.peak_flops * g.compute_eff
-    base = 2.0 * m.total_params / bw
-    per_seq = avg_context * m.kv_bytes_per_token / bw + scored * 2.0 * m.active_params / flops
+
+    def forward(m: ModelShape, tokens: float) -> tuple[float, float]:  # (per step, per row)
+        return (2.0 * m.total_params / bw,
+                avg_context * m.kv_bytes_per_token / bw + tokens * 2.0 * m.active_params / flops)
+
+    base, per_seq = forward(scale.model, scored)
+    if drafter is not None:
+        d_base, d_seq = forward(drafter, 1.0)
+        base, per_seq = base + scale.draft_tokens * d_base, per_seq + scale.draft_tokens * d_seq
     batches = (1, 64, 128, 256)
-    prefill = 2.0 * m.active_params / flops
+    prefill = 2.0 * scale.model.active_params / flops
     return StepCost(batches, tuple(base + per_seq * b for b in batches), prefill,
-                    f"{m.name} on {engine_gpus} {g.name} (modelled)")
+                    f"{scale.model.name} on {engine_gpus} {g.name} (modelled)")
 
 
 @dataclass
@@ -123,16 +164,18 @@ class StepTime:
 
 
 def rollout_time(scale: Scale, true: list[list[int]], prev: list[list[int]], engines: int, *,
-                 histopipe: bool, accept: float, step: int = 1) -> tuple[float, float]:
+                 histopipe: bool, accept: float, step: int = 1,
+                 drafter: ModelShape | None = None) -> tuple[float, float]:
     """(makespan, bubble fraction) of one rollout on ``engines`` engines. Speculation with
     ``accept`` tokens per verification forward turns a response of L tokens into ceil(L/accept)
-    forwards, each scoring ``1 + draft_tokens`` tokens per row."""
+    forwards, each scoring ``1 + draft_tokens`` tokens per row (and preceded by the
+    ``drafter``'s forwards, if a model drafts)."""
     L = scale.lengths
     mean_len = float(np.mean([x for g in true for x in g]))
     avg_context = L.prompt_len + mean_len / 2
     spec = accept > 1.0
     cost = engine_cost(scale, scale.engine_gpus, scored=1.0 + (scale.draft_tokens if spec else 0.0),
-                       avg_context=avg_context)
+                       avg_context=avg_context, drafter=drafter if spec else None)
     steps = [[int(np.ceil(x / accept)) for x in g] for g in true]
     if histopipe:
         guess = predicted_samples(prev, [len(g) for g in prev])
@@ -161,21 +204,25 @@ def streamable_share(mini_batches: int) -> float:
     return (2.0 + 6.0 / mini_batches) / 8.0
 
 
-def step_time(scale: Scale, *, histospec: bool = False, histopipe: bool = False, async_rl: bool = False,
+def step_time(scale: Scale, *, spec: str = "none", histopipe: bool = False, async_rl: bool = False,
               stream: bool = False, accept: float | None = None, seed: int = 0) -> StepTime:
-    """One step of ``scale`` with the given techniques on.
+    """One step of ``scale`` with the given techniques on: ``spec`` one of :data:`SPEC_METHODS`
+    (``accept`` overrides its tokens per verification forward).
 
     ``stream`` (synchronous only): the finished groups' old log-probs and the first mini-batch's
     gradient run on the GPU-time the drained tail leaves idle (assumed usable at the update's
     own MFU: a model, see docs/projection.md), up to what can stream."""
     rng = np.random.default_rng(seed)
     prev, true = scale.lengths.draw(scale.prompts, scale.n, rng)
-    a = (accept if accept is not None else scale.accept_histospec) if histospec else 1.0
+    a, drafter = speculation(scale, spec)
+    if accept is not None and spec != "none":
+        a = accept
     tokens = float(sum(sum(g) for g in true) + scale.prompts * scale.n * scale.lengths.prompt_len)
     sync = 2.0 * scale.model.total_params / scale.sync_bytes_s
     engines_all = scale.gpus // scale.engine_gpus
     if not async_rl:  # colocated: all GPUs generate, then all train
-        r_s, r_bubble = rollout_time(scale, true, prev, engines_all, histopipe=histopipe, accept=a)
+        r_s, r_bubble = rollout_time(scale, true, prev, engines_all, histopipe=histopipe, accept=a,
+                                     drafter=drafter)
         t_s = train_time(scale, tokens, scale.gpus)
         hidden = min(streamable_share(scale.ppo_mini_batches) * t_s, r_bubble * r_s) if stream else 0.0
         step = r_s + t_s - hidden + sync
@@ -187,7 +234,7 @@ def step_time(scale: Scale, *, histospec: bool = False, histopipe: bool = False,
         if engines not in cache:
             g_r = engines * scale.engine_gpus
             g_t = scale.gpus - g_r
-            r_s, r_bubble = rollout_time(scale, true, prev, engines, histopipe=histopipe, accept=a)
+            r_s, r_bubble = rollout_time(scale, true, prev, engines, histopipe=histopipe, accept=a, drafter=drafter)
             t_s = train_time(scale, tokens, g_t)
             step = max(r_s, t_s) + sync
             idle = g_r * (step - r_s * (1 - r_bubble)) + g_t * (step - t_s)
@@ -209,12 +256,16 @@ def step_time(scale: Scale, *, histospec: bool = False, histopipe: bool = False,
 
 VARIANTS = {
     "baseline": {},
-    "+histospec": {"histospec": True},
+    "+histospec": {"spec": "histospec"},
     "+histopipe": {"histopipe": True},
     "+async": {"async_rl": True},
     "+stream": {"stream": True},
-    "all": {"histospec": True, "histopipe": True, "async_rl": True},
-    "all_sync+stream": {"histospec": True, "histopipe": True, "stream": True},
+    "all": {"spec": "histospec", "histopipe": True, "async_rl": True},
+    "all_sync+stream": {"spec": "histospec", "histopipe": True, "stream": True},
+    "+draft_model": {"spec": "draft_model"},
+    "+draft_head": {"spec": "draft_head"},
+    "+hybrid": {"spec": "hybrid"},
+    "all_hybrid": {"spec": "hybrid", "histopipe": True, "async_rl": True},
 }
 
 
@@ -237,8 +288,8 @@ def sensitivity(scale: Scale, accepts: tuple[float, ...], sigmas: tuple[float, .
         s = replace(scale, lengths=replace(scale.lengths, sigma=sigma))
         base = step_time(s, seed=seed).step_s
         for a in accepts:
-            t = step_time(s, histospec=True, histopipe=True, async_rl=True, accept=a, seed=seed)
-            spec_only = step_time(s, histospec=True, accept=a, seed=seed)
+            t = step_time(s, spec="histospec", histopipe=True, async_rl=True, accept=a, seed=seed)
+            spec_only = step_time(s, spec="histospec", accept=a, seed=seed)
             rows.append({"scale": scale.name, "sigma": sigma, "accept": a, "speedup_all": base / t.step_s,
                          "speedup_histospec": base / spec_only.step_s})
     return rows
@@ -248,8 +299,10 @@ def sensitivity(scale: Scale, accepts: tuple[float, ...], sigmas: tuple[float, .
 @dataclass(frozen=True)
 class LocalCosts:
     """This machine's costs, measured apart from the runs they predict (``bench e2e`` calibrates
-    them first): the engine's step curve in this process (all cores) and in a one-thread worker
-    process, the trainer's seconds per token (old log-probs and update, ``train_threads``)."""
+    them first, :mod:`rhymerl.bench.calibrate`): the engine's step curve in this process (all
+    cores) and in a one-thread worker process, the trainer's seconds per token (old log-probs
+    and update, ``train_threads``), the history drafter's seconds per decode row, and what
+    processes running at once cost each other (measured side by side)."""
 
     engine: StepCost
     engine_1t: StepCost
@@ -257,12 +310,26 @@ class LocalCosts:
     cores: int
     train_threads: int = 1
     logp_share: float = 0.0  # of the trainer's time, the old log-probs' (the rest is the update)
+    engine_pair_slowdown: float = 1.0  # a one-thread engine beside another
+    # the worker's threads -> (engine, trainer) slow-downs while both run; missing: derived
+    # from the thread count (:func:`shared_slowdowns`)
+    beside_trainer: dict[int, tuple[float, float]] = field(default_factory=dict)
+    history_draft_s_per_row: float = 0.0
+
+    def slowdowns(self, worker_threads: int) -> tuple[float, float]:
+        """(rollout, trainer) slow-downs while a worker of ``worker_threads`` threads generates
+        beside the trainer."""
+        if worker_threads in self.beside_trainer:
+            return self.beside_trainer[worker_threads]
+        return shared_slowdowns(self.cores, worker_threads, self.train_threads)
 
 
-def scored_cost(cost: StepCost, scored_per_row: float) -> StepCost:
+def scored_cost(cost: StepCost, scored_per_row: float, draft_s_per_row: float = 0.0) -> StepCost:
     """A verification step's curve: on a CPU a forward's time follows the tokens it scores, so
-    a batch of B rows scoring ``s`` tokens each costs what B x s rows of one token cost."""
-    return StepCost(cost.batch, tuple(cost.step_s(max(1, int(round(b * scored_per_row)))) for b in cost.batch),
+    a batch of B rows scoring ``s`` tokens each costs what B x s rows of one token cost; plus the
+    drafter's own seconds for each row it drafts for."""
+    return StepCost(cost.batch, tuple(cost.step_s(max(1, int(round(b * scored_per_row)))) + b * draft_s_per_row
+                                      for b in cost.batch),
                     cost.prefill_per_token_s, f"{cost.name}, {scored_per_row:.2f} scored per row")
 
 
@@ -280,13 +347,10 @@ def shared_slowdowns(cores: int, rollout_threads: int, train_threads: int) -> tu
     return total / cores, float(busiest)
 
 
-def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
-                    policy: str, predicted: list[float | None], scored_per_row: float, max_num_seqs: int,
-                    in_process: bool) -> float:
+def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], **kw: Any) -> float:
     """One rollout's seconds: each sample takes as many engine steps as it took forwards (its
-    recorded trace), each step costing what its batch scores."""
-    return local_rollout(costs, forwards, prompt_lens, workers=workers, policy=policy, predicted=predicted,
-                         scored_per_row=scored_per_row, max_num_seqs=max_num_seqs, in_process=in_process).makespan_s
+    recorded trace), each step costing what its batch scores (:func:`local_rollout`)."""
+    return local_rollout(costs, forwards, prompt_lens, **kw).makespan_s
 
 
 def streamed_s(rollout_s: float, done_s: list[float], work_s: list[float], rest_s: float, slow_rollout: float,
@@ -313,18 +377,24 @@ def streamed_s(rollout_s: float, done_s: list[float], work_s: list[float], rest_
 
 def local_rollout(costs: LocalCosts, forwards: list[list[int]], prompt_lens: list[int], *, workers: int,
                   policy: str, predicted: list[float | None], scored_per_row: float, max_num_seqs: int,
-                  in_process: bool):
-    """:func:`local_rollout_s`'s whole simulation (when each prompt's group was done, too)."""
+                  in_process: bool, threads: int = 1, drafts: bool = False):
+    """The whole simulation of one rollout (when each prompt's group was done, too): in this
+    process on all cores, or on ``workers`` worker processes of ``threads`` threads each that
+    share the cores; ``drafts``: the history drafter's time per row counts in each step."""
+    draft = costs.history_draft_s_per_row if drafts else 0.0
     if in_process:
-        cost, cores, threads = scored_cost(costs.engine, scored_per_row), None, 1
+        cost, cores, contention = scored_cost(costs.engine, scored_per_row, draft), None, 1.0
     else:
-        cost, cores, threads = scored_cost(costs.engine_1t, scored_per_row), float(costs.cores), 1
+        curve = costs.engine_1t if threads == 1 else costs.engine
+        cost, cores = scored_cost(curve, scored_per_row, draft), float(costs.cores)
+        contention = costs.engine_pair_slowdown if workers > 1 else 1.0
     known = [p for p in predicted if p is not None]
     fill = float(np.median(known)) if known else 1.0
     guess = [[(p if p is not None else fill)] * len(f) for p, f in zip(predicted, forwards)]
     plan = make_plan(policy if workers > 1 else "even", guess, workers,
                      cost=cost, max_num_seqs=max_num_seqs, prompt_len=float(np.mean(prompt_lens)))
-    return simulate(plan, forwards, prompt_lens, cost, max_num_seqs=max_num_seqs, cores=cores, threads=threads)
+    return simulate(plan, forwards, prompt_lens, cost, max_num_seqs=max_num_seqs, cores=cores, threads=threads,
+                    contention=contention)
 
 
 def overlapped_s(rollout_alone: float, train_alone: float, slow_rollout: float, slow_train: float) -> float:
