@@ -113,51 +113,44 @@ def test_log_error_sigma():
     assert log_error_sigma([100], [300]) == 0.0  # one prompt says nothing of the spread
 
 
-def test_spread_placement_beats_least_loaded_on_noisy_reasoning_lengths():
-    # Reasoning-shaped traces at 128 workers: predictions from the previous epoch only, the
-    # truth drawn apart from them. Pricing each prompt's spread (risky samples together on
-    # lightly loaded workers) must beat routing by counts and the paper's point-prediction cut,
-    # summed over two workloads (on a single small workload it can tie: bench pipe's rows).
-    from rhymerl.bench.pipe import MAX_TOKENS, scaled_workload, synthetic_pairs
-    from rhymerl.scheduling import GPU_8B_H100
-    from rhymerl.scheduling.length_predictor import predicted_samples
-
-    for kind in ("reasoning", "lognormal"):
-        pairs = synthetic_pairs(kind, 1024, 16, np.random.default_rng(3))
-        err = log_error_sigma([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
-        total = {"least_loaded": 0.0, "contiguous": 0.0, "spread": 0.0}
-        for seed in (4, 5):
-            true, prev = scaled_workload(pairs, 128 * 16, 16, 1.0, np.random.default_rng(seed))
-            guess = predicted_samples(prev, [16] * len(prev))
-            for name in total:
-                policy, placement = ("least_loaded", "auto") if name == "least_loaded" else ("histopipe", name)
-                plan = make_plan(policy, guess, 128, cost=GPU_8B_H100, max_num_seqs=256, prompt_len=256,
-                                 placement=placement, error_sigma=err, max_tokens=MAX_TOKENS)
-                total[name] += simulate(plan, true, 256, GPU_8B_H100, max_num_seqs=256).makespan_s
-        assert total["spread"] < 0.97 * total["least_loaded"], (kind, total)
-        assert total["spread"] < total["contiguous"], (kind, total)
-
-
-@pytest.mark.parametrize("kind", ["reasoning", "lognormal", "heavy_tail"])
-def test_stripe_placement_is_never_slower_than_least_loaded(kind):
-    # Dealing the samples in snake order by predicted risk balances every risk band across the
-    # workers by design; least-loaded routing deals them in arrival order (by chance). Summed
-    # over two workloads at 64 workers, on every synthetic trace.
+def placement_makespans(kind: str, workers: int, names: tuple[str, ...]) -> dict[str, float]:
+    """Simulated makespans on a synthetic trace, summed over two workloads of ``workers`` x 16
+    prompts: predictions from the previous epoch only, the truth drawn apart from them.
+    ``least_loaded`` is the routing policy, the other names HistoPipe's placements."""
     from rhymerl.bench.pipe import MAX_TOKENS, scaled_workload, synthetic_pairs
     from rhymerl.scheduling import GPU_8B_H100
     from rhymerl.scheduling.length_predictor import predicted_samples
 
     pairs = synthetic_pairs(kind, 1024, 16, np.random.default_rng(3))
     err = log_error_sigma([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
-    total = {"least_loaded": 0.0, "stripe": 0.0}
+    total = dict.fromkeys(names, 0.0)
     for seed in (4, 5):
-        true, prev = scaled_workload(pairs, 64 * 16, 16, 1.0, np.random.default_rng(seed))
+        true, prev = scaled_workload(pairs, workers * 16, 16, 1.0, np.random.default_rng(seed))
         guess = predicted_samples(prev, [16] * len(prev))
-        for name in total:
+        for name in names:
             policy, placement = ("least_loaded", "auto") if name == "least_loaded" else ("histopipe", name)
-            plan = make_plan(policy, guess, 64, cost=GPU_8B_H100, max_num_seqs=256, prompt_len=256,
+            plan = make_plan(policy, guess, workers, cost=GPU_8B_H100, max_num_seqs=256, prompt_len=256,
                              placement=placement, error_sigma=err, max_tokens=MAX_TOKENS)
             total[name] += simulate(plan, true, 256, GPU_8B_H100, max_num_seqs=256).makespan_s
+    return total
+
+
+@pytest.mark.parametrize("kind", ["reasoning", "lognormal"])
+def test_spread_placement_beats_least_loaded_on_noisy_reasoning_lengths(kind):
+    # Reasoning-shaped traces at 128 workers. Pricing each prompt's spread (risky samples
+    # together on lightly loaded workers) must beat routing by counts and the paper's
+    # point-prediction cut, summed over two workloads (on a single small workload it can tie:
+    # bench pipe's rows).
+    total = placement_makespans(kind, 128, ("least_loaded", "contiguous", "spread"))
+    assert total["spread"] < 0.97 * total["least_loaded"], total
+    assert total["spread"] < total["contiguous"], total
+
+
+@pytest.mark.parametrize("kind", ["reasoning", "lognormal", "heavy_tail"])
+def test_stripe_placement_is_never_slower_than_least_loaded(kind):
+    # Dealing the samples in snake order by predicted risk balances every risk band across the
+    # workers by design; least-loaded routing deals them in arrival order (by chance).
+    total = placement_makespans(kind, 64, ("least_loaded", "stripe"))
     assert total["stripe"] < total["least_loaded"], total
 
 
