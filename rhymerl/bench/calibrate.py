@@ -1,5 +1,6 @@
 """This machine's costs for the whole-step model (:class:`~rhymerl.scheduling.step_model.LocalCosts`),
-measured before and apart from the runs they predict (``rhymerl bench e2e``).
+measured apart from the runs they predict (``rhymerl bench e2e`` calibrates before and after
+them and takes the mean).
 
 Alone: the engine's step curve (this process's threads, and one thread), the trainer's seconds
 per token on a batch of the runs' shape, the history drafter's seconds per row. Side by side:
@@ -132,6 +133,36 @@ def history_draft_s_per_row(model: str, prompts: list[list[int]], params: Any) -
     sp = SamplingParams(n=params.n, temperature=params.temperature, max_tokens=params.max_tokens, seed=3)
     llm.generate(prompts, sp, prompt_keys=keys, step=3, use_tqdm=False)
     return (stats.draft_s - s0) / max(1, stats.decode_rows - r0)
+
+
+def mean_costs(a: Any, b: Any) -> Any:
+    """The mean of two calibrations (:class:`LocalCosts`), term by term: calibrating before and
+    after the runs brackets a machine whose speed drifts by tens of percent within minutes."""
+    from dataclasses import fields, replace
+
+    from rhymerl.scheduling import StepCost
+
+    def mean(x: Any, y: Any) -> Any:
+        if isinstance(x, StepCost):
+            return StepCost(x.batch, tuple((u + v) / 2 for u, v in zip(x.seconds, y.seconds)),
+                            (x.prefill_per_token_s + y.prefill_per_token_s) / 2, x.name)
+        if isinstance(x, dict):
+            return {k: mean(x[k], y[k]) for k in x.keys() & y.keys()}
+        if isinstance(x, tuple):
+            return tuple(mean(u, v) for u, v in zip(x, y))
+        if isinstance(x, float):
+            return (x + y) / 2
+        return x  # counts (cores, threads) are the same in both
+
+    return replace(a, **{f.name: mean(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
+
+
+def describe(c: Any) -> str:
+    """One line of a calibration's main terms."""
+    return (f"trainer {1e6 * c.train_s_per_token:.1f} us/token; engine at 128 {1e3 * c.engine.step_s(128):.2f} ms; "
+            f"history drafter {1e6 * c.history_draft_s_per_row:.1f} us/row; side by side: engine beside engine "
+            f"x{c.engine_pair_slowdown:.2f}, (engine, trainer) by the engine's threads "
+            + ", ".join(f"{k}: x{a:.2f}, x{b:.2f}" for k, (a, b) in c.beside_trainer.items()))
 
 
 def calibrate(model: str, cfg: Any) -> Any:

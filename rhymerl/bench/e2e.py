@@ -9,9 +9,14 @@ history exists. Reports time per phase per step, the end-to-end speed-up, and pl
 reward curves on one figure.
 
 Variants: no speculation (the baseline), HistoSpec, HistoSpec on 2 worker processes split
-evenly and by HistoPipe, and async RL (``trainer.async_staleness=1``) without and with
-HistoSpec. Async learns from older weights' batches, so its learning metrics are compared
-with the other async variant's, not the baseline's.
+evenly and by HistoPipe, async RL (``trainer.async_staleness=1``) without and with HistoSpec,
+and the prompt split of mini-batches after the rollout and streamed into it. Async learns
+from older weights' batches and the prompt split draws other mini-batches, so their learning
+metrics are compared with their own pairs' (:data:`COMPARED_WITH`), not the baseline's.
+
+Every variant also gets the whole-step model's prediction of its step time, from its own
+traces and this machine's costs calibrated before and after the runs
+(:mod:`rhymerl.bench.calibrate`).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from rhymerl.bench.calibrate import calibrate
+from rhymerl.bench.calibrate import calibrate, describe, mean_costs
 from rhymerl.bench.common import print_table, write_report
 from rhymerl.training.metrics import read_metrics
 
@@ -35,7 +40,7 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
                     stream: tuple[int, int] | None = None) -> list[dict[str, float]]:
     """The whole-step model's time of every logged step of one variant (``step_s``, with its
     rollout's ``gen_s`` and the trainer's ``train_s`` alone), from the variant's own length and
-    forward traces (what speculation did), with ``costs`` measured before the runs.
+    forward traces (what speculation did), with ``costs`` measured apart from the runs.
     ``threads``: each worker process's; ``drafts``: the history drafter runs; ``stream``: (seed,
     mini-batches) of a variant whose update streams into its rollout."""
     import json
@@ -101,12 +106,11 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
               f"trainer.batch_prompts={batch_prompts}",
               "rollout.n=8", *(extra or [])]
     tmp = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
-    print("calibrating the whole-step model (engine curves, trainer cost per token)", flush=True)
-    costs = calibrate(base, load_config(None, common))
-    print(f"  trainer {1e6 * costs.train_s_per_token:.1f} us/token; history drafter "
-          f"{1e6 * costs.history_draft_s_per_row:.1f} us/row; side by side: engine beside engine "
-          f"x{costs.engine_pair_slowdown:.2f}, (engine, trainer) by the engine's threads "
-          + ", ".join(f"{k}: x{a:.2f}, x{b:.2f}" for k, (a, b) in costs.beside_trainer.items()), flush=True)
+    # The model's costs are measured apart from the runs, before and after them (the mean of the
+    # two): this machine's speed drifts by tens of percent within minutes.
+    print("calibrating the whole-step model (before the runs)", flush=True)
+    before = calibrate(base, load_config(None, common))
+    print("  " + describe(before), flush=True)
     variants = {"baseline": ["rollout.speculative.method=none"], "histospec": ["rollout.speculative.method=history"],
                 # two local worker processes (one core each): scheduling off (even split) and on
                 "histospec+even2": ["rollout.speculative.method=history", "rollout.workers=2",
@@ -149,6 +153,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         for r in runs.values():
             r.metrics.close()
             r.close()
+    print("calibrating the whole-step model (after the runs)", flush=True)
+    after = calibrate(base, load_config(None, common))
+    print("  " + describe(after), flush=True)
+    costs = mean_costs(before, after)
     results = {name: [r for r in read_metrics(tmp / name / "metrics.jsonl") if "timing_s/step" in r]
                for name in runs}
     learn = {k: [{m: v for m, v in r.items() if not m.startswith(SPEED)} for r in rows] for k, rows in results.items()}
@@ -192,7 +200,11 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     for r in rows_out:
         r["speedup"] = base_row["step_s"] / r["step_s"]
         r["gen_speedup"] = base_row["gen_s"] / r["gen_s"]
-    print_table(rows_out, ["variant", "step_s", "simulated_step_s", "sim_error", "gen_s", "simulated_gen_s",
+        # what a projection is used for: the speed-up, which the machine's drift moves less
+        r["simulated_speedup"] = base_row["simulated_step_s"] / r["simulated_step_s"]
+        r["speedup_error"] = r["simulated_speedup"] / r["speedup"] - 1
+    print_table(rows_out, ["variant", "step_s", "simulated_step_s", "sim_error", "speedup_error", "gen_s",
+                           "simulated_gen_s",
                            "update_s", "simulated_train_s",
                            "gen_s_after_epoch1", "accepted_per_forward",
                            "speedup", "gen_speedup", "final_score", "same_learning_metrics",
@@ -209,7 +221,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     except ImportError:
         print("trl not installed: no TRL rows (pip install 'trl==1.16.*' with torch pinned)")
     report = write_report(rows_out, json_path, {"step_s_by_variant": {k: [r["timing_s/step"] for r in rows]
-                                                                      for k, rows in results.items()}})
+                                                                      for k, rows in results.items()},
+                                                "calibration": {"before": describe(before), "after": describe(after)}})
     shutil.rmtree(tmp, ignore_errors=True)
     return report
 

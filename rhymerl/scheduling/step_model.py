@@ -299,7 +299,7 @@ def sensitivity(scale: Scale, accepts: tuple[float, ...], sigmas: tuple[float, .
 @dataclass(frozen=True)
 class LocalCosts:
     """This machine's costs, measured apart from the runs they predict (``bench e2e`` calibrates
-    them first, :mod:`rhymerl.bench.calibrate`): the engine's step curve in this process (all
+    them before and after, :mod:`rhymerl.bench.calibrate`): the engine's step curve in this process (all
     cores) and in a one-thread worker process, the trainer's seconds per token (old log-probs
     and update, ``train_threads``), the history drafter's seconds per decode row, and what
     processes running at once cost each other (measured side by side)."""
