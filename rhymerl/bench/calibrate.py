@@ -14,9 +14,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:  # the heavy imports stay lazy: `rhymerl bench ...` starts fast
+    from rhymerl.config import RolloutSection, RunConfig
+    from rhymerl.scheduling.step_model import LocalCosts
 
 _PROMPT_LEN, _TOKENS = 40, 16
 
@@ -67,7 +71,7 @@ class _Engine:
         return spans
 
 
-def _mean_within(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+def _median_within(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
     inside = [b - a for a, b in spans if a >= lo and b <= hi]
     if not inside:
         raise RuntimeError("calibration window too short for one engine call")
@@ -93,8 +97,8 @@ def engine_beside_engine(model: str, batch: int, alone_s: float = 2.0, both_s: f
         for e in (a, b):
             e.proc.kill()
     # the first call after "go" still warms caches: alone from the second on
-    alone = _mean_within(spans[1:], t0, t1)
-    return _mean_within(spans, t1, t2) / alone
+    alone = _median_within(spans[1:], t0, t1)
+    return _median_within(spans, t1, t2) / alone
 
 
 def engine_beside_trainer(model: str, threads: int, batch: int, train: Callable[[], float],
@@ -113,11 +117,11 @@ def engine_beside_trainer(model: str, threads: int, batch: int, train: Callable[
         spans = e.stop()
     finally:
         e.proc.kill()
-    alone = _mean_within(spans[1:], t0, t1)
-    return _mean_within(spans, t1, t2) / alone, train_s / train_alone_s
+    alone = _median_within(spans[1:], t0, t1)
+    return _median_within(spans, t1, t2) / alone, train_s / train_alone_s
 
 
-def history_draft_s_per_row(model: str, prompts: list[list[int]], params: Any) -> float:
+def history_draft_s_per_row(model: str, prompts: list[list[int]], params: RolloutSection) -> float:
     """The history drafter's own seconds per decode row, on a third epoch of ``prompts`` (two
     earlier epochs recorded as its history)."""
     from rhymerl.engine import LLM, SamplingParams
@@ -135,7 +139,7 @@ def history_draft_s_per_row(model: str, prompts: list[list[int]], params: Any) -
     return (stats.draft_s - s0) / max(1, stats.decode_rows - r0)
 
 
-def mean_costs(a: Any, b: Any) -> Any:
+def mean_costs(a: LocalCosts, b: LocalCosts) -> LocalCosts:
     """The mean of two calibrations (:class:`LocalCosts`), term by term: calibrating before and
     after the runs brackets a machine whose speed drifts by tens of percent within minutes."""
     from dataclasses import fields, replace
@@ -157,7 +161,7 @@ def mean_costs(a: Any, b: Any) -> Any:
     return replace(a, **{f.name: mean(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
 
 
-def describe(c: Any) -> str:
+def describe(c: LocalCosts) -> str:
     """One line of a calibration's main terms."""
     return (f"trainer {1e6 * c.train_s_per_token:.1f} us/token; engine at 128 {1e3 * c.engine.step_s(128):.2f} ms; "
             f"history drafter {1e6 * c.history_draft_s_per_row:.1f} us/row; side by side: engine beside engine "
@@ -165,7 +169,7 @@ def describe(c: Any) -> str:
             + ", ".join(f"{k}: x{a:.2f}, x{b:.2f}" for k, (a, b) in c.beside_trainer.items()))
 
 
-def calibrate(model: str, cfg: Any) -> Any:
+def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     """This machine's :class:`LocalCosts` for runs of ``cfg``'s shape on ``model`` (the trainer on
     the base model's own responses to held-out prompts, which the runs never train on). Each
     cost is a median, a typical step rather than the best one."""

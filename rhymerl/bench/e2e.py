@@ -230,7 +230,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
 def max_rel_diff(a: list[dict], b: list[dict]) -> float:
     """The largest relative difference between two runs' learning metrics, step by step (0.0:
     the same bits). Async RL trains on the engine's own log-probs, whose last bits differ with
-    speculation unless ``rollout.invariant=true``; the tokens and rewards are the same."""
+    speculation unless ``rollout.invariant=true``: the first steps differ in the last digits,
+    and over many steps the policies drift apart until a sampled token differs."""
     worst = 0.0 if len(a) == len(b) else float("inf")
     for x, y in zip(a, b):
         for k in x.keys() | y.keys():
