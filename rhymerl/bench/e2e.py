@@ -165,7 +165,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     # The prompt split draws other mini-batches than the default: streamed, it must learn what
     # it learns after the rollout.
     same_as = {k: COMPARED_WITH.get(k, k if k in COMPARED_WITH.values() else "baseline") for k in learn}
-    same = {k: learn[k] == learn[same_as[k]] for k in learn}
+    # None for the reference variants themselves: a run compared with itself proves nothing
+    same = {k: learn[k] == learn[same_as[k]] if same_as[k] != k else None for k in learn}
     rows_out = []
     from rhymerl.distribution.factory import in_process_worker, worker_specs
 

@@ -99,7 +99,7 @@ class StepCost:
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # the prefill alone
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
 
-        def best_of(batch: list, params: SamplingParams, reps: int = 3) -> float:
+        def timed(batch: list, params: SamplingParams, reps: int = 3) -> float:
             times = []
             for _ in range(reps):
                 t = time.perf_counter()
@@ -110,9 +110,9 @@ class StepCost:
         secs = []
         for B in batches:
             # decode steps only: the same batch with and without its tokens after the first
-            secs.append(max(1e-6, (best_of(prompts[:B], sp) - best_of(prompts[:B], one)) / (tokens - 1)))
+            secs.append(max(1e-6, (timed(prompts[:B], sp) - timed(prompts[:B], one)) / (tokens - 1)))
         group = prompts[: min(32, len(prompts))]  # prefill as the engine runs it: a batch of prompts
-        prefill = best_of(group, one, 3) / (len(group) * prompt_len)
+        prefill = timed(group, one, 3) / (len(group) * prompt_len)
         return cls(tuple(batches), tuple(secs), prefill, name)
 
 
