@@ -73,7 +73,7 @@ def test_unknown_source_and_method_name_the_valid_ones():
 def test_a_new_source_is_one_class_and_one_registry_line():
     """A source registered by name drafts under the controller, and tokens stay exact."""
     from rhymerl.drafting import Candidate, DraftSource, SOURCES, register_source
-    from rhymerl.drafting.suffix_index import Occurrence
+    from rhymerl.drafting.suffix_index import Matches
 
     @register_source("always_seven")
     class Sevens(DraftSource):
@@ -81,7 +81,7 @@ def test_a_new_source_is_one_class_and_one_registry_line():
             pass
 
         def candidate(self, seq, cap):
-            return Candidate(self.name, 3, [Occurrence([7] * 8, 0, 1.0, True)])
+            return Candidate(self.name, 3, Matches.of_tokens([[7] * 8]))
 
     try:
         m = tiny_model(std=0.25)

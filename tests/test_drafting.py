@@ -7,63 +7,142 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rhymerl import LLM, SamplingParams
 from rhymerl.drafting import HistoryStore, SuffixIndex, build_proposer
 from rhymerl.drafting.gate import AcceptanceEstimate, best_width, expected_accepted
 from rhymerl.drafting.length_policy import additive, multiplicative
-from rhymerl.drafting.tree_builder import draft_path, draft_tree
+from rhymerl.drafting import suffix_index, suffix_reference
 from rhymerl.engine.cost_model import CostModel
 from rhymerl.engine.sampler import sampling_logprobs, uniforms
 from tests.conftest import tiny_model
 
 
-def test_suffix_index_backs_off_to_longest_match():
-    idx = SuffixIndex()
+IMPLS = pytest.mark.parametrize("impl", ["compiled", "reference"])
+
+
+def _impl(name: str):
+    if name == "reference":
+        return suffix_reference
+    from rhymerl.drafting import _suffix_core
+
+    return _suffix_core
+
+
+def test_the_compiled_core_is_built():
+    """`pip install` builds it; without it drafting falls back to the (slow) Python reference."""
+    assert suffix_index.COMPILED
+
+
+@IMPLS
+def test_suffix_index_backs_off_to_longest_match(impl):
+    core = _impl(impl)
+    idx = core.SuffixIndex()
     idx.add([1, 2, 3, 4, 5, 6, 7])
     idx.add([9, 9, 3, 4, 5, 8])
-    occ, m = idx.match([0, 2, 3, 4, 5], max_match=7)  # "2 3 4 5" matches only the first
-    assert m == 4 and [o.tokens[o.pos] for o in occ] == [6]
-    occ, m = idx.match([7, 7, 3, 4, 5], max_match=7)  # only "3 4 5": both continue
-    assert m == 3 and sorted(o.tokens[o.pos] for o in occ) == [6, 8]
-    assert idx.match([1, 1, 1], 7) == ([], 0)
-    assert idx.match([1, 2, 3, 4, 5], max_match=7, min_match=6) == ([], 0)
+    m = idx.match([0, 2, 3, 4, 5], max_match=7)  # "2 3 4 5" matches only the first
+    assert m.match == 4 and m.next_tokens() == [6]
+    m = idx.match([7, 7, 3, 4, 5], max_match=7)  # only "3 4 5": both continue
+    assert m.match == 3 and sorted(m.next_tokens()) == [6, 8]
+    assert idx.match([1, 1, 1], 7) is None
+    assert idx.match([1, 2, 3, 4, 5], max_match=7, min_match=6) is None
+    with pytest.raises(ValueError, match="token id 2097152 is outside"):
+        idx.add([1, 1 << 21])
 
 
-def test_live_sequence_end_is_not_a_match_but_grows():
-    idx = SuffixIndex()
-    toks = [1, 2, 3]
-    sid = idx.add(toks, final=False)
-    assert idx.match([1, 2, 3], 7) == ([], 0)  # the growing end has no continuation yet
-    toks += [4, 1, 2, 3]
-    idx.extend(sid)
-    occ, m = idx.match([4, 1, 2, 3], 7)
-    assert m == 3 and [o.tokens[o.pos] for o in occ] == [4]
+@IMPLS
+def test_live_sequence_end_is_not_a_match_but_grows(impl):
+    core = _impl(impl)
+    idx = core.SuffixIndex()
+    sid = idx.add([1, 2, 3], final=False)
+    assert idx.match([1, 2, 3], 7) is None  # the growing end has no continuation yet
+    idx.append(sid, [0, 4, 1, 2, 3], 1)
+    assert idx.size(sid) == 7 and idx.tokens(sid) == [1, 2, 3, 4, 1, 2, 3]
+    m = idx.match([4, 1, 2, 3], 7)
+    assert m.match == 3 and m.next_tokens() == [4]
+    # the batch call reads each row's context from the end of its output, then its prompt
+    got = core.match_batch([idx, None, idx], [[2, 3], [1, 2, 3], []], [[9, 1], [], [4, 1, 2, 3]], 7)
+    assert got[0].next_tokens() == [4] and got[1] is None and got[2].next_tokens() == [4]
 
 
-def test_draft_path_follows_heaviest_branch_and_stops_below_min_prob():
-    idx = SuffixIndex()
+@IMPLS
+def test_draft_path_follows_heaviest_branch_and_stops_below_min_prob(impl):
+    core = _impl(impl)
+    idx = core.SuffixIndex()
     for seq in ([5, 6, 7, 1, 2, 3], [5, 6, 7, 1, 2, 4], [5, 6, 7, 1, 9, 9], [5, 6, 7, 8]):
         idx.add(seq)
-    occ, _ = idx.match([5, 6, 7], 7)
-    toks, probs = draft_path(occ, 10, min_prob=0.1)
+    occ = idx.match([5, 6, 7], 7)
+    (toks, probs), = core.draft_paths([occ], [10], 0.1)
     # 1 (3/4), 2 (2/3 of those), then 3 vs 4 split: 0.75 * 0.667 * 0.5 = 0.25 >= 0.1
     assert toks[:2] == [1, 2] and probs[0] == pytest.approx(0.75) and probs[1] == pytest.approx(0.5)
-    toks, _ = draft_path(occ, 10, min_prob=0.6)
-    assert toks == [1]
-    toks, _ = draft_path(occ, 1, min_prob=0.0)
-    assert toks == [1]
+    assert core.draft_paths([occ, occ], [10, 1], 0.6) == [([1], [0.75]), ([1], [0.75])]
 
 
-def test_draft_tree_best_first_under_budget():
-    idx = SuffixIndex()
+@IMPLS
+def test_draft_tree_best_first_under_budget(impl):
+    core = _impl(impl)
+    idx = core.SuffixIndex()
     for seq in ([5, 6, 7, 1, 2], [5, 6, 7, 1, 3], [5, 6, 7, 4, 2]):
         idx.add(seq)
-    occ, _ = idx.match([5, 6, 7], 7)
-    tree, probs = draft_tree(occ, budget=3, max_depth=4, min_prob=0.1)
-    assert tree.tokens[0] == 1 and tree.parents[0] == -1 and probs[0] == pytest.approx(2 / 3)
-    assert len(tree) == 3 and sorted(probs, reverse=True) == probs
-    assert set(zip(tree.tokens, tree.parents)) <= {(1, -1), (4, -1), (2, 0), (3, 0), (2, 1)}
+    occ = idx.match([5, 6, 7], 7)
+    (toks, parents, probs), = core.draft_trees([occ], [3], [4], 0.1)
+    assert toks[0] == 1 and parents[0] == -1 and probs[0] == pytest.approx(2 / 3)
+    assert len(toks) == 3 and sorted(probs, reverse=True) == probs
+    assert set(zip(toks, parents)) <= {(1, -1), (4, -1), (2, 0), (3, 0), (2, 1)}
+
+
+@IMPLS
+def test_pooled_and_picked_matches(impl):
+    core = _impl(impl)
+    a, b = core.SuffixIndex(), core.SuffixIndex()
+    a.add([1, 2, 3, 4, 1, 2, 3, 5])
+    b.add([1, 2, 3, 6])
+    ma, mb = a.match([1, 2, 3], 3), b.match([1, 2, 3], 3)
+    assert (ma + mb).next_tokens() == [4, 5, 6] and (ma + mb).match == 3
+    assert ma.most_recent().next_tokens() == [5]
+    picked = core.Matches.of_tokens([[7, 8], [7, 9]], 4)
+    assert picked.match == 4 and core.draft_paths([picked], [4], 0.0) == [([7, 8], [1.0, 0.5])]
+    del a  # pooled matches keep their indices alive
+    assert core.draft_paths([ma + mb], [2], 0.0)[0][0] == [4, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=30), min_size=1, max_size=8),
+       finals=st.lists(st.booleans(), min_size=8, max_size=8),
+       weights=st.lists(st.sampled_from([1.0, 0.5, 2.0, 1.25]), min_size=8, max_size=8),
+       contexts=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=12), min_size=1, max_size=6),
+       max_match=st.integers(3, 10), min_match=st.integers(1, 5), cap=st.integers(0, 8),
+       min_prob=st.sampled_from([0.0, 0.1, 0.3]), budget=st.integers(1, 12))
+def test_compiled_core_equals_the_reference(seqs, finals, weights, contexts, max_match, min_match, cap,
+                                            min_prob, budget):
+    """Same matches, same drafts, same probabilities (to the bit) on random indices."""
+    from rhymerl.drafting import _suffix_core
+
+    out = {}
+    for core in (_suffix_core, suffix_reference):
+        idx = core.SuffixIndex()
+        for s, f, w in zip(seqs, finals, weights):
+            idx.add(s[: len(s) // 2], w, f)
+        for sid, s in enumerate(seqs):  # and grown in place
+            idx.append(sid, s, len(s) // 2)
+        found = core.match_batch([idx] * len(contexts), contexts, [[]] * len(contexts), max_match, min_match)
+        ms = [m for m in found if m is not None]
+        pooled = [m + m for m in ms]
+        other = core.SuffixIndex()  # a second source: pooled on ties, or a fallback
+        for s in seqs[::-1]:
+            other.add(s, 1.0, True)
+        rows = len(contexts)
+        per_source = [[idx] * rows, [other if r % 2 else None for r in range(rows)], [found[0]] * rows]
+        rule = [core.longest_match_drafts(per_source, [True, merge, False], [False, fb, True], contexts,
+                                          [[1, 2]] * rows, [cap] * rows, max_match, min_match, min_prob, tb)
+                for merge in (True, False) for fb in (True, False) for tb in (0, budget)]
+        out[core] = (rule, [None if m is None else (m.match, m.next_tokens()) for m in found],
+                     core.draft_paths(ms + pooled, [cap] * 2 * len(ms), min_prob),
+                     core.draft_trees(ms + pooled, [budget] * 2 * len(ms), [cap] * 2 * len(ms), min_prob),
+                     [m.most_recent().next_tokens() for m in ms])
+    assert out[_suffix_core] == out[suffix_reference]
 
 
 def test_length_policies():

@@ -288,7 +288,7 @@ def test_drafts_come_from_the_previous_epoch_through_the_worker_path():
         if epoch == 1:
             assert idx is None
             continue
-        indexed = {tuple(s[len(prompt):]) for s in idx.seqs}
+        indexed = {tuple(idx.tokens(sid)[len(prompt):]) for sid in range(len(idx))}
         assert indexed == {(10 + epoch - 1, 20 + epoch - 1, 30 + epoch - 1, 2)}, (epoch, indexed)
 
 

@@ -79,7 +79,7 @@ class ArcticSource(DraftSource):
         return self.caches[k]
 
     def candidate(self, s: Sequence, cap: int) -> Candidate | None:
-        from rhymerl.drafting.suffix_index import Occurrence
+        from rhymerl.drafting.suffix_index import Matches
 
         cache = self._cache(s.prompt_key or "")
         rid = f"live-{s.request_id}-{s.sample_index}"
@@ -95,7 +95,7 @@ class ArcticSource(DraftSource):
         d = cache.speculate(rid, ctx, max_spec_tokens=int(cap), max_spec_factor=1.0, min_token_prob=self.cfg.min_prob)
         toks = list(d.token_ids)[:cap]
         # arctic chose the path: one occurrence that continues with it
-        return Candidate(self.name, len(ctx), [Occurrence(toks, 0, 1.0, True)]) if toks else None
+        return Candidate(self.name, len(ctx), Matches.of_tokens([toks], len(ctx))) if toks else None
 
     def on_finish(self, seq: Sequence) -> None:
         if self._sent.pop((seq.request_id, seq.sample_index), None) is not None:

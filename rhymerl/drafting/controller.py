@@ -25,13 +25,14 @@ from typing import Any
 from rhymerl.drafting.config import SpecConfig
 from rhymerl.drafting.gate import AcceptanceEstimate, StepOverhead, best_width
 from rhymerl.drafting.length_policy import POLICIES
-from rhymerl.drafting.source import Candidate, DraftSource, SourceContext, get_source
-from rhymerl.drafting.tree_builder import draft_path, draft_tree
+from rhymerl.drafting.source import Candidate, DraftSource, IndexSource, SourceContext, get_source
+from rhymerl.drafting.suffix_index import longest_match_drafts
 from rhymerl.engine.cost_model import CostModel
 from rhymerl.engine.draft import DraftTree
 from rhymerl.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class SpecController:
             rule = rule or method.rule
         self.sources = sources
         self.rule = rule or "longest_match"
+        self._wants_probs = self.rule == "best_expected"  # the only rule that reads drafts' probabilities
         if cfg.length_policy not in POLICIES:
             raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {sorted(POLICIES)}")
         self.policy, cap = POLICIES[cfg.length_policy]
@@ -120,7 +122,8 @@ class SpecController:
         cheap = [s for s in sources if not s.runs_a_model]
         self._source_sets = [sources] + ([cheap] if cheap and len(cheap) < len(sources) else [])
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
-        self._last: dict[int, tuple[str, int, float]] = {}  # id(seq) -> (source, depth, expected)
+        # Rows drafted this step: place in the batch -> (sequence, (source, node probabilities), draft)
+        self._last: dict[int, tuple[Sequence, tuple[str, list[float]], DraftTree]] = {}
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
 
@@ -146,95 +149,130 @@ class SpecController:
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
         cfg = self.cfg
-        caps = []
-        for s in seqs:
-            if s.draft_len == 0:
-                s.draft_len = 2
-            caps.append(max(0, min(s.draft_len, self.cap, s.limit - len(s.output_ids) - 1)))
-        for src in self.sources:
-            src.prepare(seqs)
+        B = len(seqs)
         alpha = self.acceptance.alpha
-        over = self.overhead.factor(len(seqs))
-        bucket = len(seqs).bit_length()
+        over = self.overhead.factor(B)
+        bucket = B.bit_length()
         self._draft_s = 0.0
         # Before drafting anything: would drafts as full as they have recently been pay at this
         # batch size, the drafting itself (as long as each source recently took here) included,
         # and up to how many tokens? First with every source, then without the ones that run a
         # model (the cheap index sources may pay where a draft model's forwards do not). Skip
-        # the drafting work that cannot pay.
-        expect = [round(c * self._fill) for c in caps]
+        # the drafting work that cannot pay. Every row at the full cap first (no per-row work:
+        # this check runs every step, and a step that skips must cost next to nothing), then
+        # the rows' own caps.
         sources, k_pre = self.sources, self.cap
         if cfg.gate:
-            k_pre = 0
+            full = {round(self.cap * self._fill): B}
             for option in self._source_sets:
-                d_s = sum(self.draft_cost.get((bucket, src.name), 0.0) for src in option)
-                k_pre = best_width(self.cost_model, expect, alpha, self.cap, over, d_s)
+                k_pre = best_width(self.cost_model, full, alpha, self.cap, over, self._draft_seconds(bucket, option))
                 if k_pre:
                     sources = option
                     break
-        if k_pre == 0:
-            # Drift back (fuller drafts, cheaper drafting), so that skipping is not permanent: a
-            # cost measured once, when drafting was slow, must not switch it off for good.
-            self._fill = 0.95 * self._fill + 0.05
-            for key in [k for k in self.draft_cost if k[0] == bucket]:
-                self.draft_cost[key] *= 0.95
-            return [None] * len(seqs)
-        if k_pre < max(expect):
-            caps = [min(c, k_pre) for c in caps]
+            else:
+                return self._skip(bucket, B)
         t0 = time.perf_counter()
+        cap = min(self.cap, k_pre)
+        caps = [max(0, min(s.draft_len or 2, cap, s.limit - len(s.output_ids) - 1)) for s in seqs]
+        for src in sources:
+            src.prepare(seqs)
         drafts, chosen = self._draft(seqs, caps, sources, bucket)
         self._draft_s = time.perf_counter() - t0
         lengths = [len(d) if d is not None else 0 for d in drafts]
-        if sum(caps):
-            self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / sum(caps))
+        total = sum(caps)
+        if total:
+            self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / total)
         k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
         if k == 0:
             # The drafts found do not pay: expect less next time, so that the check above skips
             # the drafting work until drafts may have grown (it drifts back up).
             self._fill *= 0.5
-            return [None] * len(seqs)
-        out = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
-        self._last = {}
-        for s, d, c in zip(seqs, out, chosen):
-            if d is not None and c is not None:
-                self._last[id(s)] = (c[0], d.depth, sum(c[1][:len(d)]))
-        return out
+            return [None] * B
+        last = self._last = {}
+        for b, d in enumerate(drafts):
+            if d is not None:
+                if len(d) > k:
+                    d = drafts[b] = _truncate(d, k)
+                last[b] = (seqs[b], chosen[b], d)
+        return drafts
+
+    def _skip(self, bucket: int, B: int) -> list[None]:
+        """No drafts this step. Drift back (fuller drafts, cheaper drafting), so that skipping
+        is not permanent: a cost measured once, when drafting was slow, must not switch it off
+        for good."""
+        self._fill = 0.95 * self._fill + 0.05
+        for key in [k for k in self.draft_cost if k[0] == bucket]:
+            self.draft_cost[key] *= 0.95
+        return [None] * B
+
+    def _draft_seconds(self, bucket: int, sources: list[DraftSource]) -> float:
+        """Recent drafting time of ``sources`` at this batch size (the index sources as one)."""
+        names = {INDEX if isinstance(src, IndexSource) else src.name for src in sources}
+        return sum(self.draft_cost.get((bucket, n), 0.0) for n in names)
+
+    def _charge(self, bucket: int, name: str, seconds: float) -> None:
+        old = self.draft_cost.get((bucket, name))
+        self.draft_cost[(bucket, name)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def _draft(self, seqs: list[Sequence], caps: list[int], sources: list[DraftSource],
                bucket: int) -> tuple[list[DraftTree | None], list]:
-        """One draft per row (or None) and, per row, (source, node probabilities); each
-        source's time is measured (less one-off index building) for the gate."""
+        """One draft per row (or None) and, per row, (source, node probabilities); drafting
+        time is measured (less one-off index building) for the gate.
+
+        Occurrence sources (indices, or matches a source found itself) go through the
+        longest-match rule and drafting in one compiled call for the batch; a model source's
+        tree is an option of its own beside them."""
+        cfg = self.cfg
         rows = [i for i, c in enumerate(caps) if c > 0]
-        best: dict[int, Candidate] = {}
         options: dict[int, list[Candidate]] = {}
+        cols: list[list] = []
+        col_sources: list[DraftSource] = []
+        indexed = [src for src in sources if isinstance(src, IndexSource)]
+        t_index = 0.0
         for src in sources:
-            ask = rows if not src.fallback else \
-                [i for i in rows if i not in best or best[i].match < self.cfg.pattern_max]
-            if not ask:
+            t0 = time.perf_counter()
+            b0 = getattr(src, "build_s", 0.0)
+            if isinstance(src, IndexSource):
+                cols.append(src.indices(seqs, rows))
+                col_sources.append(src)
+                t_index += time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0)
                 continue
-            t0, b0 = time.perf_counter(), getattr(src, "build_s", 0.0)
-            got = src.propose(seqs, caps, ask)
-            spent = max(0.0, time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0))
-            old = self.draft_cost.get((bucket, src.name))
-            self.draft_cost[(bucket, src.name)] = spent if old is None else 0.8 * old + 0.2 * spent
-            for i, c in got.items():
-                if c.tree is not None:  # a model's tree: an option of its own
+            got = src.propose(seqs, caps, rows)
+            col, any_occ = [], False
+            for i in rows:
+                c = got.get(i)
+                if c is not None and c.tree is not None:
                     options.setdefault(i, []).append(c)
-                    continue
-                b = best.get(i)
-                if b is None or c.match > b.match:
-                    best[i] = c
-                elif c.match == b.match and c.merge_ties and b.merge_ties:
-                    best[i] = Candidate(b.source, b.match, b.occurrences + c.occurrences, merge_ties=True)
+                    c = None
+                col.append(None if c is None else c.occurrences)
+                any_occ = any_occ or c is not None
+            if any_occ:
+                cols.append(col)
+                col_sources.append(src)
+            self._charge(bucket, src.name, max(0.0, time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0)))
         drafts: list[DraftTree | None] = [None] * len(seqs)
         chosen: list = [None] * len(seqs)
+        if cols:
+            t0 = time.perf_counter()
+            picked = [seqs[i] for i in rows]
+            res = longest_match_drafts(cols, [s.merge_ties for s in col_sources], [s.fallback for s in col_sources],
+                                       [s.output_ids for s in picked], [s.prompt_ids for s in picked],
+                                       [caps[i] for i in rows], cfg.pattern_max, cfg.pattern_min, cfg.min_prob,
+                                       cfg.tree_budget, self._wants_probs)
+            path, names = DraftTree.path, [s.name for s in col_sources]
+            for i, r in zip(rows, res):
+                if r is not None:
+                    k, toks, parents, probs = r
+                    drafts[i] = path(toks) if parents is None else DraftTree(toks, parents)
+                    chosen[i] = (names[k], probs)
+            t_index += time.perf_counter() - t0
+        if indexed:
+            self._charge(bucket, INDEX, max(0.0, t_index))
+        if not options:  # occurrence sources only: each row's draft is its best match's
+            return drafts, chosen
+        built = {i: (chosen[i][0], drafts[i], chosen[i][1]) for i in rows if drafts[i] is not None}
         for i in rows:
-            cands = []
-            b = best.get(i)
-            if b is not None:
-                tree, probs = self._from_occurrences(b, caps[i])
-                if tree is not None:
-                    cands.append((b.source, tree, probs))
+            cands = [built[i]] if i in built else []
             for c in options.get(i, []):
                 n = _prefix_within(c.tree, caps[i], self.cfg.tree_budget)
                 if n:
@@ -253,31 +291,30 @@ class SpecController:
             drafts[i], chosen[i] = pick[1], (pick[0], pick[2])
         return drafts, chosen
 
-    def _from_occurrences(self, c: Candidate, cap: int) -> tuple[DraftTree | None, list[float]]:
-        cfg = self.cfg
-        if cfg.tree_budget > 0:
-            tree, probs = draft_tree(c.occurrences, min(cfg.tree_budget, max(cap, 1) * 2), cap, cfg.min_prob)
-            return (tree, probs) if len(tree) else (None, [])
-        toks, probs = draft_path(c.occurrences, cap, cfg.min_prob)
-        return (DraftTree.path(toks), probs) if toks else (None, [])
-
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
-        # A tree is "fully accepted" when the walk reached its deepest level.
-        depths = []
-        for s, d, a in zip(seqs, drafted, accepted):
-            last = self._last.pop(id(s), None)
-            if last is None or not d:
-                depths.append(d)
+        # Only the rows drafted this step (``_last``, by their place in the batch) cost work.
+        succ = fail = 0
+        calibrate = self._wants_probs  # the only rule that reads the calibration
+        acc_by: Counter[str] = Counter()
+        drafted_by: Counter[str] = Counter()
+        policy, cap = self.policy, self.cap
+        for b, (seq, (source, probs), tree) in self._last.items():
+            if b >= len(seqs) or seqs[b] is not seq or not drafted[b]:
                 continue
-            source, depth, expected = last
-            depths.append(depth)
-            self.calibration.update(source, expected, a)
-            self.accepted_by_source[source] += a
-            self.drafted_by_source[source] += d
-        self.acceptance.update(depths, accepted)
-        for s, d, a in zip(seqs, depths, accepted):
-            if d:
-                s.draft_len = self.policy(s.draft_len, d, a, cap=self.cap)
+            a = accepted[b]
+            if calibrate:
+                self.calibration.update(source, sum(probs[:len(tree)]), a)
+            acc_by[source] += a
+            drafted_by[source] += drafted[b]
+            # A tree is "fully accepted" when the walk reached its deepest level.
+            depth = tree.depth
+            succ += a
+            fail += a < depth
+            seq.draft_len = policy(seq.draft_len or 2, depth, a, cap=cap)
+        self._last = {}
+        self.accepted_by_source.update(acc_by)
+        self.drafted_by_source.update(drafted_by)
+        self.acceptance.add(succ, fail)
 
     def observe_time(self, B: int, width: int, seconds: float) -> None:
         """The engine's measured time of one decode step (drafting included), less the
@@ -400,4 +437,4 @@ def _prefix_within(tree: DraftTree | None, cap: int, tree_budget: int) -> int:
 
 def _truncate(d: DraftTree, k: int) -> DraftTree:
     # Nodes are in best-first order with parents first, so any prefix is a valid tree.
-    return DraftTree(d.tokens[:k], d.parents[:k])
+    return DraftTree.path(d.tokens[:k]) if d.is_path else DraftTree(d.tokens[:k], d.parents[:k])

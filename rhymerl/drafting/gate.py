@@ -7,7 +7,9 @@ speculate little; the drained long tail speculates a lot.
 """
 from __future__ import annotations
 
+import bisect
 from collections import Counter
+from collections.abc import Mapping
 
 from rhymerl.engine.cost_model import CostModel
 
@@ -22,26 +24,34 @@ def expected_accepted(alpha: float, k: int) -> float:
     return alpha * (1 - alpha**k) / (1 - alpha)
 
 
-def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: int,
+def best_width(cost: CostModel | None, lengths: list[int] | Mapping[int, int], alpha: float, max_k: int,
                overhead: float = 1.0, draft_s: float = 0.0) -> int:
-    """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``.
+    """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``
+    (one per row, or a mapping length -> how many rows).
 
     ``overhead`` scales the cost of a speculative step relative to a plain one beyond what
     the forward alone costs (tree bookkeeping, verification), as measured online; ``draft_s``
     is the drafting work still to be done for this step, in seconds (0 once drafts exist).
     """
-    if cost is None or not lengths:
+    counts = lengths if isinstance(lengths, Mapping) else Counter(lengths)
+    B = sum(counts.values())
+    if cost is None or not B:
         return max_k
-    B = len(lengths)
-    counts = Counter(lengths)
     top = max(counts)
-    # f(m) for every draft length once; rows with equal lengths are summed together.
+    # f(m) for every draft length once. gain(k) = B + sum over rows of f(min(k, n)): rows no
+    # longer than k add f(n) (prefix sums over the sorted lengths), the others f(k) each.
     f = [expected_accepted(alpha, m) for m in range(min(top, max_k) + 1)]
+    ns = sorted(counts)
+    sum_f, sum_c = [0.0], [0]
+    for n in ns:
+        sum_f.append(sum_f[-1] + f[min(n, max_k)] * counts[n])
+        sum_c.append(sum_c[-1] + counts[n])
     best_k, best_rate = 0, B / cost.cost(B, 1)
     for k in CANDIDATES:
         if k == 0 or k > max_k:
             continue
-        gain = B + sum(f[min(k, n)] * c for n, c in counts.items())
+        j = bisect.bisect_right(ns, k)
+        gain = B + sum_f[j] + (f[k] * (B - sum_c[j]) if j < len(ns) else 0.0)
         rate = gain / (cost.cost(B, min(k, top) + 1) * overhead + draft_s)
         if rate > best_rate * 1.02:  # a margin: do not speculate for a rounding error
             best_k, best_rate = k, rate
@@ -62,9 +72,13 @@ class AcceptanceEstimate:
     def update(self, drafted: list[int], accepted: list[int]) -> None:
         """Decay old evidence toward the prior (so a gate that stopped drafting after a bad
         patch tries again), then add this step's trials."""
+        self.add(sum(a for d, a in zip(drafted, accepted) if d), sum(1 for d, a in zip(drafted, accepted) if d and a < d))
+
+    def add(self, successes: float, failures: float) -> None:
+        """Decay old evidence toward the prior, then add counted trials."""
         self.relax(1 - self.decay)
-        self.succ += sum(a for d, a in zip(drafted, accepted) if d)
-        self.fail += sum(1 for d, a in zip(drafted, accepted) if d and a < d)
+        self.succ += successes
+        self.fail += failures
 
     def relax(self, frac: float) -> None:
         """Move ``frac`` of the way back to the prior."""

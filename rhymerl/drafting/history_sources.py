@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from rhymerl.drafting.source import Candidate, DraftSource, SourceContext, register_source
+from rhymerl.drafting.source import IndexSource, SourceContext, register_source
 from rhymerl.drafting.suffix_index import SuffixIndex
 from rhymerl.engine.sequence import Sequence
 
@@ -15,15 +15,14 @@ def context(seq: Sequence, n: int) -> list[int]:
 
 
 @register_source("prompt_history")
-class PromptHistorySource(DraftSource):
+class PromptHistorySource(IndexSource):
     """The prompt's responses of previous rollouts, each prefixed with the prompt's last
     tokens so that a response's first tokens can be drafted too. One index per prompt,
     rebuilt when the prompt's history changes."""
 
-    merge_ties = True
-
     def __init__(self, ctx: SourceContext) -> None:
-        self.cfg, self.store = ctx.cfg, ctx.store
+        super().__init__(ctx)
+        self.store = ctx.store
         self._indices: dict[str, tuple[int, SuffixIndex]] = {}
         self.build_s = 0.0  # index building this step (a one-off, kept out of the gate's step timings)
 
@@ -51,25 +50,29 @@ class PromptHistorySource(DraftSource):
         idx = SuffixIndex()
         for r in h.rollouts:
             for resp, rew in zip(r.responses, r.rewards):
-                idx.add(self.stored(h.prompt_tail, resp), weight=1.0 + self.cfg.reward_weight * (rew or 0.0), final=True)
+                idx.add(self.stored(h.prompt_tail, resp), 1.0 + self.cfg.reward_weight * (rew or 0.0), True)
         self._indices[key] = (h.revision, idx)
         if len(self._indices) > 2 * len(self.store.prompts) + 64:  # an engine never told of new steps
             self._prune()
         self.build_s += time.perf_counter() - t0
         return idx
 
-    def candidate(self, seq: Sequence, cap: int) -> Candidate | None:
-        if seq.prompt_key is None:
-            return None
-        idx = self.index(seq.prompt_key)
-        if idx is None:
-            return None
-        occ, m = idx.match(context(seq, self.cfg.pattern_max), self.cfg.pattern_max, self.cfg.pattern_min)
-        return Candidate(self.name, m, occ, merge_ties=self.merge_ties) if occ else None
+    def index_for(self, seq: Sequence) -> SuffixIndex | None:
+        return None if seq.prompt_key is None else self.index(seq.prompt_key)
+
+    def indices(self, seqs: list[Sequence], rows: list[int]) -> list[SuffixIndex | None]:
+        found: dict[str | None, SuffixIndex | None] = {None: None}  # a prompt's samples share one
+        out = []
+        for i in rows:
+            key = seqs[i].prompt_key
+            if key not in found:
+                found[key] = self.index(key)
+            out.append(found[key])
+        return out
 
 
 @register_source("global_history")
-class GlobalHistorySource(DraftSource):
+class GlobalHistorySource(IndexSource):
     """One index over every stored response to every prompt (no prompt prefix): responses to
     other prompts share the task's phrasing. A fallback: asked only where the prompt's own
     sources matched less than ``pattern_max`` tokens, and it wins only with a longer match
@@ -79,7 +82,8 @@ class GlobalHistorySource(DraftSource):
     merge_ties = False
 
     def __init__(self, ctx: SourceContext) -> None:
-        self.cfg, self.store = ctx.cfg, ctx.store
+        super().__init__(ctx)
+        self.store = ctx.store
         self._idx: SuffixIndex | None = None
         self._steps: dict[str, int] = {}  # prompt key -> newest rollout step in the index
         self._version = -1
@@ -93,7 +97,7 @@ class GlobalHistorySource(DraftSource):
         if st is None:
             return None
         if self._version == st.version:
-            return self._idx
+            return self._idx if self._idx is not None and len(self._idx) else None
         t0 = time.perf_counter()
         if self._idx is None or self._tokens > 2 * st.total_tokens + 4096:
             self._idx, self._tokens, self._steps = SuffixIndex(), 0, {}
@@ -102,16 +106,15 @@ class GlobalHistorySource(DraftSource):
             for r in h.rollouts:
                 if r.step > newest:
                     for resp in r.responses:
-                        self._idx.add(list(resp), final=True)
+                        self._idx.add(resp, 1.0, True)
                         self._tokens += len(resp)
                     self._steps[key] = r.step
         self._version = st.version
         self.build_s += time.perf_counter() - t0
         return self._idx if len(self._idx) else None
 
-    def candidate(self, seq: Sequence, cap: int) -> Candidate | None:
-        g = self.index()
-        if g is None:
-            return None
-        occ, m = g.match(context(seq, self.cfg.pattern_max), self.cfg.pattern_max, self.cfg.pattern_min)
-        return Candidate(self.name, m, occ, merge_ties=self.merge_ties) if occ else None
+    def index_for(self, seq: Sequence) -> SuffixIndex | None:
+        return self.index()
+
+    def indices(self, seqs: list[Sequence], rows: list[int]) -> list[SuffixIndex | None]:
+        return [self.index()] * len(rows)

@@ -7,7 +7,7 @@ memory across requests.
 from __future__ import annotations
 
 from rhymerl.drafting.source import Candidate, DraftSource, SourceContext, register_source
-from rhymerl.drafting.suffix_index import SuffixIndex
+from rhymerl.drafting.suffix_index import SuffixIndex, match_batch
 from rhymerl.engine.sequence import Sequence
 
 
@@ -17,21 +17,24 @@ class NgramSource(DraftSource):
         self.lo, self.hi = ctx.cfg.prompt_lookup_min, ctx.cfg.prompt_lookup_max
         self._own: dict[tuple[int, int], SuffixIndex] = {}
 
-    def candidate(self, seq: Sequence, cap: int) -> Candidate | None:
+    def _index(self, seq: Sequence) -> SuffixIndex:
+        """The request's own tokens, indexed as they grow (prompt first, then output)."""
         key = (seq.request_id, seq.sample_index)
         idx = self._own.get(key)
         if idx is None:
             idx = self._own[key] = SuffixIndex()
-            idx.add(list(seq.prompt_ids) + list(seq.output_ids), final=False)
-        else:
-            toks = idx.seqs[0]
-            toks.extend(seq.all_ids()[len(toks):])
-            idx.extend(0)
-        occ, m = idx.match(seq.all_ids()[-self.hi:], self.hi, self.lo)
-        if not occ:
-            return None
+            idx.add(seq.prompt_ids, 1.0, False)
+        have = idx.size(0) - len(seq.prompt_ids)
+        if have < len(seq.output_ids):
+            idx.append(0, seq.output_ids, have)
+        return idx
+
+    def propose(self, seqs: list[Sequence], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
+        picked = [seqs[i] for i in rows]
+        found = match_batch([self._index(s) for s in picked], [s.output_ids for s in picked],
+                            [s.prompt_ids for s in picked], self.hi, self.lo)
         # the most recent occurrence alone: its continuation is the draft
-        return Candidate(self.name, m, [max(occ, key=lambda o: o.pos)])
+        return {i: Candidate(self.name, m.match, m.most_recent()) for i, m in zip(rows, found) if m is not None}
 
     def on_finish(self, seq: Sequence) -> None:
         self._own.pop((seq.request_id, seq.sample_index), None)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rhymerl.drafting.history_sources import context
-from rhymerl.drafting.source import Candidate, DraftSource, SourceContext, register_source
+from rhymerl.drafting.source import IndexSource, SourceContext, register_source
 from rhymerl.drafting.suffix_index import SuffixIndex
 from rhymerl.engine.sequence import Sequence
 
@@ -13,17 +12,16 @@ from rhymerl.engine.sequence import Sequence
 @dataclass
 class _Live:
     index: SuffixIndex
-    members: dict[int, tuple[int, Sequence]] = field(default_factory=dict)  # sample -> (id in index, seq)
+    # sample -> (its id in the index, how many prompt tokens precede its output there, seq)
+    members: dict[int, tuple[int, int, Sequence]] = field(default_factory=dict)
     finished: int = 0
     synced: int = -1  # the step its members' tokens were last indexed at
 
 
 @register_source("siblings")
-class SiblingSource(DraftSource):
-    merge_ties = True
-
+class SiblingSource(IndexSource):
     def __init__(self, ctx: SourceContext) -> None:
-        self.cfg = ctx.cfg
+        super().__init__(ctx)
         self._live: dict[object, _Live] = {}
         self._tick = 0
 
@@ -38,15 +36,16 @@ class SiblingSource(DraftSource):
         """Give new sequences a place in their live index (their tokens are indexed lazily,
         when a draft is made, so steps the gate skips cost no indexing)."""
         self._tick += 1
+        live_of, pm = self._live, self.cfg.pattern_max
         for s in seqs:
             k = self.key(s)
-            live = self._live.get(k)
+            live = live_of.get(k)
             if live is None:
-                live = self._live[k] = _Live(SuffixIndex())
-                live.index.add(list(s.prompt_ids), final=False)
+                live = live_of[k] = _Live(SuffixIndex())
+                live.index.add(s.prompt_ids, 1.0, False)
             if s.sample_index not in live.members:
-                tail = s.prompt_ids[-self.cfg.pattern_max:]
-                live.members[s.sample_index] = (live.index.add(list(tail), final=False), s)
+                tail = s.prompt_ids[-pm:]
+                live.members[s.sample_index] = (live.index.add(tail, 1.0, False), len(tail), s)
 
     def _sync(self, live: _Live) -> None:
         """Index what the members emitted since the last sync (once per step: every member of
@@ -54,20 +53,30 @@ class SiblingSource(DraftSource):
         if live.synced == self._tick:
             return
         live.synced = self._tick
-        for sid, s in live.members.values():
-            toks = live.index.seqs[sid]
-            have = len(toks) - min(len(s.prompt_ids), self.cfg.pattern_max)
+        idx = live.index
+        for sid, offset, s in live.members.values():
+            have = idx.size(sid) - offset
             if have < len(s.output_ids):
-                toks.extend(s.output_ids[have:])
-                live.index.extend(sid)
+                idx.append(sid, s.output_ids, have)
 
-    def candidate(self, seq: Sequence, cap: int) -> Candidate | None:
+    def index_for(self, seq: Sequence) -> SuffixIndex | None:
         live = self._live.get(self.key(seq))
         if live is None:
             return None
         self._sync(live)
-        occ, m = live.index.match(context(seq, self.cfg.pattern_max), self.cfg.pattern_max, self.cfg.pattern_min)
-        return Candidate(self.name, m, occ, merge_ties=self.merge_ties) if occ else None
+        return live.index
+
+    def indices(self, seqs: list[Sequence], rows: list[int]) -> list[SuffixIndex | None]:
+        live_of, key, out = self._live, self.key, []
+        for i in rows:
+            live = live_of.get(key(seqs[i]))
+            if live is None:
+                out.append(None)
+                continue
+            if live.synced != self._tick:
+                self._sync(live)
+            out.append(live.index)
+        return out
 
     def on_finish(self, seq: Sequence) -> None:
         """A member is done here; the live index goes once all of them are."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from rhymerl.drafting.suffix_index import Occurrence
+from rhymerl.drafting.suffix_index import Matches, SuffixIndex, match_batch
 from rhymerl.engine.draft import DraftTree
 
 if TYPE_CHECKING:
@@ -25,16 +25,16 @@ if TYPE_CHECKING:
 class Candidate:
     """One source's answer for one sequence.
 
-    Index sources fill ``occurrences`` (continuations of the longest suffix of the context
-    they matched, ``match`` tokens long); model sources fill ``tree`` and ``probs`` (each
-    node's probability under the drafter, its parents' included)."""
+    Index sources fill ``occurrences`` (where the longest suffix of the context they matched,
+    ``match`` tokens long, occurs; ``Matches.of_tokens`` wraps continuations a source picked
+    itself); model sources fill ``tree`` and ``probs`` (each node's probability under the
+    drafter, its parents' included)."""
 
     source: str
     match: int = 0
-    occurrences: list[Occurrence] = field(default_factory=list)
+    occurrences: Matches | None = None
     tree: DraftTree | None = None
     probs: list[float] = field(default_factory=list)
-    merge_ties: bool = False  # an equally long match from another merging source adds its occurrences
 
 
 @dataclass
@@ -56,6 +56,7 @@ class DraftSource:
     fallback = False  # asked only for rows whose best match so far is shorter than pattern_max
     wants_hidden = False  # needs the target's last hidden state per sequence (Sequence.hidden)
     runs_a_model = False  # drafting costs forwards of a model (the gate may leave it out alone)
+    merge_ties = False  # an equally long match of two merging sources pools their occurrences
 
     def propose(self, seqs: list["Sequence"], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
         """Candidates for ``seqs[i]``, ``i`` in ``rows`` (rows with ``caps[i] > 0``)."""
@@ -70,7 +71,7 @@ class DraftSource:
         raise NotImplementedError
 
     def prepare(self, seqs: list["Sequence"]) -> None:
-        """Every decode step, before the gate decides (cheap bookkeeping only)."""
+        """Before a decode step's drafting (steps the gate skips do not call it)."""
 
     def begin(self, step: int) -> None:
         """A new rollout step starts (the history may have changed)."""
@@ -81,6 +82,31 @@ class DraftSource:
     def on_abort(self, seq: "Sequence") -> None:
         """A sequence left this engine unfinished (moved to another worker)."""
         self.on_finish(seq)
+
+
+class IndexSource(DraftSource):
+    """A source that drafts from a suffix index per row: a subclass says which index a row
+    reads (:meth:`index_for`); the whole batch is matched in one call of the compiled core."""
+
+    merge_ties = True
+
+    def __init__(self, ctx: SourceContext) -> None:
+        self.cfg = ctx.cfg
+
+    def index_for(self, seq: "Sequence") -> SuffixIndex | None:
+        raise NotImplementedError
+
+    def indices(self, seqs: list["Sequence"], rows: list[int]) -> list[SuffixIndex | None]:
+        """The index each of ``rows`` reads: what the controller matches in, for the batch at once."""
+        index_for = self.index_for
+        return [index_for(seqs[i]) for i in rows]
+
+    def propose(self, seqs: list["Sequence"], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
+        picked = [seqs[i] for i in rows]
+        found = match_batch([self.index_for(s) for s in picked], [s.output_ids for s in picked],
+                            [s.prompt_ids for s in picked], self.cfg.pattern_max, self.cfg.pattern_min)
+        name = self.name
+        return {i: Candidate(name, m.match, m) for i, m in zip(rows, found) if m is not None}
 
 
 SOURCES: dict[str, Callable[[SourceContext], DraftSource]] = {}

@@ -38,14 +38,28 @@ class DraftTree:
 
     @property
     def depth(self) -> int:
-        return max(self.depths, default=0)
+        return len(self.tokens) if self.is_path else max(self.depths, default=0)
 
     @staticmethod
     def path(tokens: Seq[int]) -> "DraftTree":
-        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+        # A chain is valid by construction: skip the checks (this runs for every row, every step).
+        t = tuple(tokens)
+        shape = _CHAINS.get(len(t))
+        if shape is None:
+            shape = _CHAINS[len(t)] = (tuple(range(-1, len(t) - 1)), tuple(range(1, len(t) + 1)))
+        d = object.__new__(DraftTree)
+        setattr_ = object.__setattr__
+        setattr_(d, "tokens", t)
+        setattr_(d, "parents", shape[0])
+        setattr_(d, "depths", shape[1])
+        setattr_(d, "is_path", True)
+        return d
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+_CHAINS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # length -> a path's (parents, depths)
 
 
 class Proposer(Protocol):
