@@ -68,6 +68,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["methods"] = tuple(ns.methods.split(","))
         if ns.temperatures:
             kw["temperatures"] = tuple(float(t) for t in ns.temperatures.split(","))
+        if ns.reps:
+            kw["reps"] = ns.reps
+        if ns.epochs:
+            kw["epochs"] = tuple(int(e) for e in ns.epochs.split(","))
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--draft-head", help="spec: a saved draft head (default: the main job's newest checkpoint's)")
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
+    b.add_argument("--epochs", help="spec: the measured epochs, comma-separated (default 1,3)")
+    b.add_argument("--reps", type=int, help="spec: timed rounds of the gated rows, methods in turn (default 2)")
     b.add_argument("--variants", help="e2e: comma-separated subset (the baseline and what they are compared "
                                       "with always run)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")

@@ -185,6 +185,22 @@ def test_step_overhead_compares_like_batches():
     assert ov.factor(4) == pytest.approx(2.0)
 
 
+def test_realized_cost_vetoes_drafting_where_it_measured_dearer_and_wears_off():
+    from rhymerl.drafting.gate import RealizedCost
+
+    cost = CostModel({(b, t): 0.001 * b for b in (1, 16, 128) for t in (1, 2, 5)})
+    r = RealizedCost(decay=0.0, wear=0.5)
+    r.update(cost, 16, 40, 0.016 * 3.0, drafted=True)  # 2.5 tokens a row for 3x the time: 1.2 per token
+    assert not r.vetoes(16)  # no plain step measured anywhere yet: no evidence to veto on
+    r.update(cost, 128, 128, 0.128, drafted=False)  # plain decoding: 1.0 per token (another bucket stands in)
+    assert r.vetoes(16) and r.spec[16 .bit_length()] == 0.6  # vetoed, and the veto wears down...
+    assert not r.vetoes(16)  # ...until the bucket is tried again
+    r.update(cost, 16, 16, 0.016 * 1.5, drafted=True)  # drafted nothing that paid: dearer again
+    assert r.vetoes(16)
+    r.update(cost, 128, 300, 0.128 * 1.2, drafted=True)  # 2.3 tokens a row for 1.2x: drafting pays
+    assert not r.vetoes(128)
+
+
 def test_history_store_caps_and_persistence(tmp_path, caplog):
     st = HistoryStore(max_rollouts=2, max_total_tokens=40, tokenizer_fingerprint="abc")
     st.add("p1", [9, 9, 9, 9, 9, 9, 1], [[1, 2, 3], [1, 2]], step=0, rewards=[1.0, 0.0])

@@ -167,43 +167,6 @@ struct Matches {
   }
 };
 
-// One level of the occurrences' continuations: tokens `depth` steps ahead in first-seen
-// order, their summed weights, and the total (a finished sequence that ends there keeps its
-// weight in the total: the response stopped). Summed in occurrence order, as the reference.
-struct Level {
-  std::vector<Tok> tokens;
-  std::vector<double> weight;
-  std::vector<std::vector<Occ>> groups;
-  double total = 0.0;
-};
-
-void children(const std::vector<Occ>& occ, size_t depth, Level& lv) {
-  lv.tokens.clear();
-  lv.weight.clear();
-  lv.groups.clear();
-  lv.total = 0.0;
-  for (const Occ& o : occ) {
-    const auto& s = o.idx->seqs[o.sid];
-    const double w = o.idx->weights[o.sid];
-    size_t q = size_t(o.pos) + depth;
-    if (q < s.size()) {
-      Tok t = s[q];
-      size_t j = 0;
-      while (j < lv.tokens.size() && lv.tokens[j] != t) ++j;  // few distinct tokens: a scan beats a map
-      if (j == lv.tokens.size()) {
-        lv.tokens.push_back(t);
-        lv.weight.push_back(0.0);
-        lv.groups.emplace_back();
-      }
-      lv.weight[j] = lv.weight[j] + w;
-      lv.groups[j].push_back(o);
-      lv.total += w;
-    } else if (o.idx->finals[o.sid]) {
-      lv.total += w;
-    }
-  }
-}
-
 // Follow the heaviest child while the running probability stays >= min_prob. Per level: tally
 // the continuations' weights (first-seen order), then keep the winner's occurrences in place
 // (no allocation per level: this runs for every row, every decode step).
@@ -272,7 +235,7 @@ struct Pending {
   long counter;
   int parent;
   Tok tok;
-  size_t group;
+  size_t begin, end;  // the node's occurrences: arena[begin, end)
   int depth;
 };
 
@@ -283,38 +246,64 @@ struct Worse {
   }
 };
 
-// Best-first tree: repeatedly add the candidate node of highest estimated probability.
+// Best-first tree: repeatedly add the candidate node of highest estimated probability. Every
+// candidate's occurrences live in one arena (no allocation per node).
 std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>> draft_tree(const Matches& m, int budget,
                                                                                int max_depth, double min_prob) {
   std::vector<Tok> tokens;
   std::vector<int> parents;
   std::vector<double> probs;
-  std::vector<std::vector<Occ>> pool;
+  std::vector<Occ> arena(m.occ.begin(), m.occ.end());
   std::priority_queue<Pending, std::vector<Pending>, Worse> heap;
   long counter = 0;
-  Level lv;
-  auto push_children = [&](int node, const std::vector<Occ>& node_occ, int depth, double p) {
+  std::vector<Tok> toks;
+  std::vector<double> weight;
+  auto push_children = [&](int node, size_t begin, size_t end, int depth, double p) {
     if (depth >= max_depth) return;
-    children(node_occ, size_t(depth), lv);
-    if (lv.total <= 0) return;
-    for (size_t k = 0; k < lv.tokens.size(); ++k) {
-      double cp = p * lv.weight[k] / lv.total;
-      if (cp >= min_prob) {
-        ++counter;
-        pool.push_back(std::move(lv.groups[k]));
-        heap.push({cp, counter, node, lv.tokens[k], pool.size() - 1, depth + 1});
+    toks.clear();
+    weight.clear();
+    double total = 0.0;
+    for (size_t i = begin; i < end; ++i) {  // tally, in first-seen order, as the reference
+      const Occ& o = arena[i];
+      const auto& s = o.idx->seqs[o.sid];
+      const double w = o.idx->weights[o.sid];
+      size_t q = size_t(o.pos) + size_t(depth);
+      if (q < s.size()) {
+        size_t j = 0;
+        while (j < toks.size() && toks[j] != s[q]) ++j;
+        if (j == toks.size()) {
+          toks.push_back(s[q]);
+          weight.push_back(0.0);
+        }
+        weight[j] = weight[j] + w;
+        total += w;
+      } else if (o.idx->finals[o.sid]) {
+        total += w;
       }
     }
+    if (total <= 0) return;
+    for (size_t k = 0; k < toks.size(); ++k) {
+      double cp = p * weight[k] / total;
+      if (cp < min_prob) continue;
+      size_t b0 = arena.size();
+      for (size_t i = begin; i < end; ++i) {
+        const Occ o = arena[i];  // a copy: the arena may grow
+        const auto& s = o.idx->seqs[o.sid];
+        size_t q = size_t(o.pos) + size_t(depth);
+        if (q < s.size() && s[q] == toks[k]) arena.push_back(o);
+      }
+      ++counter;
+      heap.push({cp, counter, node, toks[k], b0, arena.size(), depth + 1});
+    }
   };
-  push_children(-1, m.occ, 0, 1.0);
+  push_children(-1, 0, arena.size(), 0, 1.0);
   while (!heap.empty() && int(tokens.size()) < budget) {
     Pending top = heap.top();
     heap.pop();
     tokens.push_back(top.tok);
     parents.push_back(top.parent);
     probs.push_back(top.p);
-    std::vector<Occ> g = std::move(pool[top.group]);
-    push_children(int(tokens.size()) - 1, g, top.depth, top.p);
+    push_children(int(tokens.size()) - 1, top.begin, top.end, top.depth, top.p);
   }
   return {tokens, parents, probs};
 }
@@ -406,6 +395,19 @@ PYBIND11_MODULE(_suffix_core, mod) {
            "Index a sequence (a copy); returns its id.")
       .def("append", &Index::append, py::arg("sid"), py::arg("tokens"), py::arg("start") = 0,
            "Append tokens[start:] to sequence sid and index the grams they complete.")
+      .def("sync", [](Index& self, const std::vector<int32_t>& sids, const std::vector<py::object>& sources,
+                      const std::vector<int64_t>& offsets) {
+             if (sids.size() != sources.size() || sids.size() != offsets.size())
+               throw py::value_error("sync: sids, sources and offsets differ in length");
+             for (size_t j = 0; j < sids.size(); ++j) {
+               self.check_sid(sids[j]);
+               int64_t have = int64_t(self.seqs[sids[j]].size()) - offsets[j];
+               if (have < 0) throw py::value_error("sync: a sequence holds fewer tokens than its offset");
+               if (size_t(have) < py_len(sources[j])) self.append(sids[j], sources[j], size_t(have));
+             }
+           }, py::arg("sids"), py::arg("sources"), py::arg("offsets"),
+           "For each j: sequence sids[j] mirrors sources[j] after offsets[j] tokens of its own; append "
+           "what sources[j] has grown by since (live outputs, one call per step).")
       .def("size", [](const Index& self, int32_t sid) { self.check_sid(sid); return self.seqs[sid].size(); },
            "How many tokens sequence sid holds.")
       .def("tokens", [](const Index& self, int32_t sid) { self.check_sid(sid); return self.seqs[sid]; })
@@ -511,8 +513,14 @@ PYBIND11_MODULE(_suffix_core, mod) {
                 continue;
               }
               // Built by hand: the generic casters cost more than the drafting itself here.
-              out[i] = py::make_tuple(k, as_tuple(toks), tree ? as_tuple(parents) : py::object(py::none()),
-                                      with_probs ? as_list(probs) : py::object(py::none()));
+              py::object par = py::none(), dep = py::none();
+              if (tree) {
+                std::vector<int> depths(parents.size());
+                for (size_t j = 0; j < parents.size(); ++j) depths[j] = parents[j] < 0 ? 1 : depths[size_t(parents[j])] + 1;
+                par = as_tuple(parents);
+                dep = as_tuple(depths);
+              }
+              out[i] = py::make_tuple(k, as_tuple(toks), par, dep, with_probs ? as_list(probs) : py::object(py::none()));
             }
             return out;
           }, py::arg("per_source"), py::arg("merge"), py::arg("fallback"), py::arg("outputs"), py::arg("prompts"),
@@ -520,8 +528,8 @@ PYBIND11_MODULE(_suffix_core, mod) {
           py::arg("with_probs") = true,
           "The longest-match rule and the draft, per row: per_source[k][i] is the index source k matches "
           "row i's context in, or the Matches it found itself, or None. Returns per row None or "
-          "(source k, tokens, parents or None for a path, node probabilities or None without with_probs), "
-          "tokens and parents as tuples.");
+          "(source k, tokens, parents, depths (both None for a path), node probabilities or None without "
+          "with_probs), tokens, parents and depths as tuples.");
 
   mod.def("draft_paths", [](const std::vector<const Matches*>& matches, const std::vector<int>& caps, double min_prob) {
             if (matches.size() != caps.size()) throw py::value_error("draft_paths: matches and caps differ in length");

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rhymerl.drafting.config import SpecConfig
-from rhymerl.drafting.gate import AcceptanceEstimate, StepOverhead, best_width
+from rhymerl.drafting.gate import AcceptanceEstimate, RealizedCost, StepOverhead, best_width
 from rhymerl.drafting.length_policy import POLICIES
 from rhymerl.drafting.source import Candidate, DraftSource, IndexSource, SourceContext, get_source
 from rhymerl.drafting.suffix_index import longest_match_drafts
@@ -113,6 +113,8 @@ class SpecController:
         self.cost_model: CostModel | None = None
         self.acceptance = AcceptanceEstimate()
         self.overhead = StepOverhead()
+        self.realized = RealizedCost()  # kept across rollout steps: it judges sources, not one batch
+        self._emitted = 0  # tokens the last decode step emitted
         self.calibration = Calibration()
         self.step = 0
         self._fill = 1.0  # EMA of drafted length / cap: how full drafts turn out to be
@@ -162,6 +164,8 @@ class SpecController:
         # this check runs every step, and a step that skips must cost next to nothing), then
         # the rows' own caps.
         sources, k_pre = self.sources, self.cap
+        if cfg.gate and self.realized.vetoes(B):
+            return self._skip(bucket, B)
         if cfg.gate:
             full = {round(self.cap * self._fill): B}
             for option in self._source_sets:
@@ -259,11 +263,11 @@ class SpecController:
                                        [s.output_ids for s in picked], [s.prompt_ids for s in picked],
                                        [caps[i] for i in rows], cfg.pattern_max, cfg.pattern_min, cfg.min_prob,
                                        cfg.tree_budget, self._wants_probs)
-            path, names = DraftTree.path, [s.name for s in col_sources]
+            path, tree, names = DraftTree.path, DraftTree.built, [s.name for s in col_sources]
             for i, r in zip(rows, res):
                 if r is not None:
-                    k, toks, parents, probs = r
-                    drafts[i] = path(toks) if parents is None else DraftTree(toks, parents)
+                    k, toks, parents, depths, probs = r
+                    drafts[i] = path(toks) if parents is None else tree(toks, parents, depths)
                     chosen[i] = (names[k], probs)
             t_index += time.perf_counter() - t0
         if indexed:
@@ -293,6 +297,7 @@ class SpecController:
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         # Only the rows drafted this step (``_last``, by their place in the batch) cost work.
+        self._emitted = len(seqs) + (sum(accepted) if self._last else 0)
         succ = fail = 0
         calibrate = self._wants_probs  # the only rule that reads the calibration
         acc_by: Counter[str] = Counter()
@@ -324,6 +329,9 @@ class SpecController:
             build += getattr(s, "build_s", 0.0)
             if hasattr(s, "build_s"):
                 s.build_s = 0.0
+        if self.cost_model is not None:
+            # Index building is a one-off, amortised over the rollout; drafting is this step's cost.
+            self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build), self._draft_s > 0)
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)
@@ -350,6 +358,7 @@ class SpecController:
                 "fill": self._fill,
                 "calibration": sorted(self.calibration.ratio.items()),
                 "draft_cost": sorted([b, n, v] for (b, n), v in self.draft_cost.items()),
+                "realized": {"plain": sorted(self.realized.plain.items()), "spec": sorted(self.realized.spec.items())},
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
@@ -362,6 +371,9 @@ class SpecController:
             fill = float(state["fill"])
             calib = {str(k): float(v) for k, v in state.get("calibration", [])}
             dcost = {(int(b), str(n)): float(v) for b, n, v in state.get("draft_cost", [])}
+            realized = state.get("realized", {})
+            r_plain = {int(b): float(r) for b, r in realized.get("plain", [])}
+            r_spec = {int(b): float(r) for b, r in realized.get("spec", [])}
             cost = None if state.get("cost") is None else \
                 CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
         except (KeyError, TypeError, ValueError) as e:
@@ -372,6 +384,7 @@ class SpecController:
         self._fill = fill
         self.calibration.ratio = calib
         self.draft_cost = dcost
+        self.realized.plain, self.realized.spec = r_plain, r_spec
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
 

@@ -40,7 +40,11 @@ def best_width(cost: CostModel | None, lengths: list[int] | Mapping[int, int], a
     top = max(counts)
     # f(m) for every draft length once. gain(k) = B + sum over rows of f(min(k, n)): rows no
     # longer than k add f(n) (prefix sums over the sorted lengths), the others f(k) each.
-    f = [expected_accepted(alpha, m) for m in range(min(top, max_k) + 1)]
+    f = [0.0]
+    power = 1.0
+    for _ in range(min(top, max_k)):  # f(m) = a + a^2 + ... + a^m, as expected_accepted
+        power *= alpha
+        f.append(f[-1] + power)
     ns = sorted(counts)
     sum_f, sum_c = [0.0], [0]
     for n in ns:
@@ -112,3 +116,47 @@ class StepOverhead:
         if b not in self.plain or b not in self.spec:
             return 1.0
         return max(1.0, self.spec[b] / self.plain[b])
+
+
+class RealizedCost:
+    """Per batch-size bucket: what decode steps really cost per emitted token, relative to the
+    cost model's plain forward (EMA), for plain steps and for steps that drafted (drafting
+    included). The gate's prediction (cost model x acceptance estimate) is least reliable
+    where drafts are poor (a prompt's first epoch), and "never slower than no speculation" is
+    judged on measured time: speculation is vetoed in a bucket where it has measured dearer
+    per token than plain decoding. A veto wears off (the drafting steps' cost decays while
+    vetoed), so the bucket is tried again: one step now and then.
+
+    Plain steps may not have run in a bucket (a batch that drafts from its first step): the
+    plain cost of the nearest measured bucket stands in; before any plain step, no veto."""
+
+    def __init__(self, decay: float = 0.7, wear: float = 0.97) -> None:
+        self.decay, self.wear = decay, wear
+        self.plain: dict[int, float] = {}
+        self.spec: dict[int, float] = {}
+
+    def update(self, cost: CostModel, B: int, emitted: int, seconds: float, drafted: bool) -> None:
+        if emitted <= 0:
+            return
+        r = seconds / cost.cost(B, 1) * B / emitted
+        table = self.spec if drafted else self.plain
+        b = B.bit_length()
+        table[b] = r if b not in table else self.decay * table[b] + (1 - self.decay) * r
+
+    def _plain(self, b: int) -> float | None:
+        if b in self.plain:
+            return self.plain[b]
+        if not self.plain:
+            return None
+        return self.plain[min(self.plain, key=lambda x: (abs(x - b), x))]
+
+    def vetoes(self, B: int) -> bool:
+        """Whether drafting has measured dearer per token than plain decoding at this batch
+        size; a vetoed call wears the veto down."""
+        b = B.bit_length()
+        spec = self.spec.get(b)
+        plain = self._plain(b)
+        if spec is None or plain is None or spec <= plain:
+            return False
+        self.spec[b] = spec * self.wear
+        return True

@@ -12,8 +12,12 @@ from rhymerl.engine.sequence import Sequence
 @dataclass
 class _Live:
     index: SuffixIndex
-    # sample -> (its id in the index, how many prompt tokens precede its output there, seq)
-    members: dict[int, tuple[int, int, Sequence]] = field(default_factory=dict)
+    # Per member, in parallel: its id in the index, how many prompt tokens precede its output
+    # there, and its output list (the engine grows it in place): one sync call per step.
+    sids: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    members: set[int] = field(default_factory=set)  # sample indices
     finished: int = 0
     synced: int = -1  # the step its members' tokens were last indexed at
 
@@ -45,7 +49,10 @@ class SiblingSource(IndexSource):
                 live.index.add(s.prompt_ids, 1.0, False)
             if s.sample_index not in live.members:
                 tail = s.prompt_ids[-pm:]
-                live.members[s.sample_index] = (live.index.add(tail, 1.0, False), len(tail), s)
+                live.members.add(s.sample_index)
+                live.sids.append(live.index.add(tail, 1.0, False))
+                live.offsets.append(len(tail))
+                live.outputs.append(s.output_ids)
 
     def _sync(self, live: _Live) -> None:
         """Index what the members emitted since the last sync (once per step: every member of
@@ -53,11 +60,7 @@ class SiblingSource(IndexSource):
         if live.synced == self._tick:
             return
         live.synced = self._tick
-        idx = live.index
-        for sid, offset, s in live.members.values():
-            have = idx.size(sid) - offset
-            if have < len(s.output_ids):
-                idx.append(sid, s.output_ids, have)
+        live.index.sync(live.sids, live.outputs, live.offsets)
 
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         live = self._live.get(self.key(seq))

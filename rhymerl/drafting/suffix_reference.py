@@ -68,6 +68,18 @@ class SuffixIndex:
         self.num_tokens += len(seq) - before
         self._index_from(sid, before)
 
+    def sync(self, sids: list[int], sources: list[Seq[int]], offsets: list[int]) -> None:
+        """For each j: sequence ``sids[j]`` mirrors ``sources[j]`` after ``offsets[j]`` tokens of
+        its own; append what ``sources[j]`` has grown by since (live outputs, one call per step)."""
+        if not len(sids) == len(sources) == len(offsets):
+            raise ValueError("sync: sids, sources and offsets differ in length")
+        for sid, src, off in zip(sids, sources, offsets):
+            have = len(self._seqs[sid]) - off
+            if have < 0:
+                raise ValueError("sync: a sequence holds fewer tokens than its offset")
+            if have < len(src):
+                self.append(sid, src, have)
+
     def size(self, sid: int) -> int:
         return len(self._seqs[sid])
 
@@ -245,8 +257,8 @@ def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: li
     :class:`Matches` it found itself, or None. Each source in order: a longer match wins, an
     equal one of two merging sources pools its occurrences, a fallback source is asked only
     while the best match is shorter than ``pattern_max``. Returns per row None or
-    ``(source k, tokens, parents or None for a path, node probabilities or None without
-    with_probs)``, tokens and parents as tuples."""
+    ``(source k, tokens, parents, depths (both None for a path), node probabilities or None
+    without with_probs)``, tokens, parents and depths as tuples."""
     rows = len(caps)
     if not len(outputs) == len(prompts) == rows or not len(merge) == len(fallback) == len(per_source):
         raise ValueError("longest_match_drafts: arguments differ in length")
@@ -274,6 +286,11 @@ def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: li
             toks, parents, probs = draft_tree(best, min(tree_budget, max(caps[i], 1) * 2), caps[i], min_prob)
         else:
             (toks, probs), parents = draft_path(best, caps[i], min_prob), None
-        out.append((winner, tuple(toks), None if parents is None else tuple(parents), probs if with_probs else None)
-                   if toks else None)
+        depths = None
+        if parents is not None:
+            depths = []
+            for p in parents:
+                depths.append(1 if p < 0 else depths[p] + 1)
+            parents, depths = tuple(parents), tuple(depths)
+        out.append((winner, tuple(toks), parents, depths, probs if with_probs else None) if toks else None)
     return out
