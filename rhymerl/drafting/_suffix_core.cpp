@@ -83,7 +83,14 @@ struct Occ {
   int32_t pos;
 };
 
+struct Followed {
+  int32_t sid;
+  int64_t offset;
+  py::object source;
+};
+
 struct Index : std::enable_shared_from_this<Index> {
+  std::vector<Followed> followed;  // live sequences mirrored from Python lists
   std::vector<std::vector<Tok>> seqs;
   std::vector<double> weights;
   std::vector<uint8_t> finals;  // the sequence really ended (a finished response)
@@ -395,19 +402,20 @@ PYBIND11_MODULE(_suffix_core, mod) {
            "Index a sequence (a copy); returns its id.")
       .def("append", &Index::append, py::arg("sid"), py::arg("tokens"), py::arg("start") = 0,
            "Append tokens[start:] to sequence sid and index the grams they complete.")
-      .def("sync", [](Index& self, const std::vector<int32_t>& sids, const std::vector<py::object>& sources,
-                      const std::vector<int64_t>& offsets) {
-             if (sids.size() != sources.size() || sids.size() != offsets.size())
-               throw py::value_error("sync: sids, sources and offsets differ in length");
-             for (size_t j = 0; j < sids.size(); ++j) {
-               self.check_sid(sids[j]);
-               int64_t have = int64_t(self.seqs[sids[j]].size()) - offsets[j];
-               if (have < 0) throw py::value_error("sync: a sequence holds fewer tokens than its offset");
-               if (size_t(have) < py_len(sources[j])) self.append(sids[j], sources[j], size_t(have));
+      .def("follow", [](Index& self, int32_t sid, py::object source, int64_t offset) {
+             self.check_sid(sid);
+             if (offset < 0 || size_t(offset) > self.seqs[sid].size())
+               throw py::value_error("follow: the offset is outside the sequence");
+             self.followed.push_back({sid, offset, std::move(source)});
+           }, py::arg("sid"), py::arg("source"), py::arg("offset"),
+           "Let sequence sid mirror the list source (grown in place elsewhere) after offset tokens of "
+           "its own; sync() appends what it has grown by.")
+      .def("sync", [](Index& self) {
+             for (const auto& f : self.followed) {
+               size_t have = self.seqs[f.sid].size() - size_t(f.offset);
+               if (have < py_len(f.source)) self.append(f.sid, f.source, have);
              }
-           }, py::arg("sids"), py::arg("sources"), py::arg("offsets"),
-           "For each j: sequence sids[j] mirrors sources[j] after offsets[j] tokens of its own; append "
-           "what sources[j] has grown by since (live outputs, one call per step).")
+           }, "Append to every followed sequence what its source has grown by (one call per step).")
       .def("size", [](const Index& self, int32_t sid) { self.check_sid(sid); return self.seqs[sid].size(); },
            "How many tokens sequence sid holds.")
       .def("tokens", [](const Index& self, int32_t sid) { self.check_sid(sid); return self.seqs[sid]; })

@@ -124,8 +124,9 @@ class SpecController:
         cheap = [s for s in sources if not s.runs_a_model]
         self._source_sets = [sources] + ([cheap] if cheap and len(cheap) < len(sources) else [])
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
-        # Rows drafted this step: place in the batch -> (sequence, (source, node probabilities), draft)
-        self._last: dict[int, tuple[Sequence, tuple[str, list[float]], DraftTree]] = {}
+        # This step's batch, its drafts and each drafted row's (source, node probabilities): what
+        # observe() reads for the rows verification scored (the engine passes the same list).
+        self._pending: tuple[list[Sequence], list, list] | None = None
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
 
@@ -192,12 +193,9 @@ class SpecController:
             # the drafting work until drafts may have grown (it drifts back up).
             self._fill *= 0.5
             return [None] * B
-        last = self._last = {}
-        for b, d in enumerate(drafts):
-            if d is not None:
-                if len(d) > k:
-                    d = drafts[b] = _truncate(d, k)
-                last[b] = (seqs[b], chosen[b], d)
+        if k < max(lengths):
+            drafts = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
+        self._pending = (seqs, drafts, chosen)
         return drafts
 
     def _skip(self, bucket: int, B: int) -> list[None]:
@@ -296,27 +294,32 @@ class SpecController:
         return drafts, chosen
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
-        # Only the rows drafted this step (``_last``, by their place in the batch) cost work.
-        self._emitted = len(seqs) + (sum(accepted) if self._last else 0)
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] is not seqs:  # nothing drafted this step (or not this batch)
+            self._emitted = len(seqs)
+            self.acceptance.add(0, 0)
+            return
+        _, drafts, chosen = pending
+        self._emitted = len(seqs) + sum(accepted)
         succ = fail = 0
         calibrate = self._wants_probs  # the only rule that reads the calibration
         acc_by: Counter[str] = Counter()
         drafted_by: Counter[str] = Counter()
         policy, cap = self.policy, self.cap
-        for b, (seq, (source, probs), tree) in self._last.items():
-            if b >= len(seqs) or seqs[b] is not seq or not drafted[b]:
+        for b, d in enumerate(drafted):
+            if not d:
                 continue
+            seq, tree, (source, probs) = seqs[b], drafts[b], chosen[b]
             a = accepted[b]
             if calibrate:
                 self.calibration.update(source, sum(probs[:len(tree)]), a)
             acc_by[source] += a
-            drafted_by[source] += drafted[b]
+            drafted_by[source] += d
             # A tree is "fully accepted" when the walk reached its deepest level.
             depth = tree.depth
             succ += a
             fail += a < depth
             seq.draft_len = policy(seq.draft_len or 2, depth, a, cap=cap)
-        self._last = {}
         self.accepted_by_source.update(acc_by)
         self.drafted_by_source.update(drafted_by)
         self.acceptance.add(succ, fail)

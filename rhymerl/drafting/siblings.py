@@ -11,15 +11,13 @@ from rhymerl.engine.sequence import Sequence
 
 @dataclass
 class _Live:
-    index: SuffixIndex
-    # Per member, in parallel: its id in the index, how many prompt tokens precede its output
-    # there, and its output list (the engine grows it in place): one sync call per step.
-    sids: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
+    index: SuffixIndex  # the prompt, then each member's prompt tail followed by its output
     members: set[int] = field(default_factory=set)  # sample indices
     finished: int = 0
     synced: int = -1  # the step its members' tokens were last indexed at
+
+
+_NO_KEY = object()
 
 
 @register_source("siblings")
@@ -50,9 +48,8 @@ class SiblingSource(IndexSource):
             if s.sample_index not in live.members:
                 tail = s.prompt_ids[-pm:]
                 live.members.add(s.sample_index)
-                live.sids.append(live.index.add(tail, 1.0, False))
-                live.offsets.append(len(tail))
-                live.outputs.append(s.output_ids)
+                # The engine grows output_ids in place: the index follows the list itself.
+                live.index.follow(live.index.add(tail, 1.0, False), s.output_ids, len(tail))
 
     def _sync(self, live: _Live) -> None:
         """Index what the members emitted since the last sync (once per step: every member of
@@ -60,7 +57,7 @@ class SiblingSource(IndexSource):
         if live.synced == self._tick:
             return
         live.synced = self._tick
-        live.index.sync(live.sids, live.outputs, live.offsets)
+        live.index.sync()
 
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         live = self._live.get(self.key(seq))
@@ -70,15 +67,20 @@ class SiblingSource(IndexSource):
         return live.index
 
     def indices(self, seqs: list[Sequence], rows: list[int]) -> list[SuffixIndex | None]:
-        live_of, key, out = self._live, self.key, []
+        live_of, key, tick, out = self._live, self.key, self._tick, []
+        last_key: object = _NO_KEY
+        index = None
         for i in rows:
-            live = live_of.get(key(seqs[i]))
-            if live is None:
-                out.append(None)
-                continue
-            if live.synced != self._tick:
-                self._sync(live)
-            out.append(live.index)
+            k = key(seqs[i])
+            if k != last_key:  # a request's samples mostly sit in neighbouring rows
+                last_key, live = k, live_of.get(k)
+                if live is None:
+                    index = None
+                else:
+                    if live.synced != tick:
+                        self._sync(live)
+                    index = live.index
+            out.append(index)
         return out
 
     def on_finish(self, seq: Sequence) -> None:

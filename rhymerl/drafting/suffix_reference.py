@@ -45,6 +45,7 @@ class SuffixIndex:
         self._weights: list[float] = []
         self._final: list[bool] = []  # the sequence really ended (a finished response)
         self._grams: dict[int, list[tuple[int, int]]] = {}
+        self._followed: list[tuple[int, list[int], int]] = []  # live sequences mirrored from lists
         self.num_tokens = 0
 
     def __len__(self) -> int:
@@ -68,15 +69,17 @@ class SuffixIndex:
         self.num_tokens += len(seq) - before
         self._index_from(sid, before)
 
-    def sync(self, sids: list[int], sources: list[Seq[int]], offsets: list[int]) -> None:
-        """For each j: sequence ``sids[j]`` mirrors ``sources[j]`` after ``offsets[j]`` tokens of
-        its own; append what ``sources[j]`` has grown by since (live outputs, one call per step)."""
-        if not len(sids) == len(sources) == len(offsets):
-            raise ValueError("sync: sids, sources and offsets differ in length")
-        for sid, src, off in zip(sids, sources, offsets):
+    def follow(self, sid: int, source: list[int], offset: int) -> None:
+        """Let sequence ``sid`` mirror the list ``source`` (grown in place elsewhere) after
+        ``offset`` tokens of its own; :meth:`sync` appends what it has grown by."""
+        if not 0 <= offset <= len(self._seqs[sid]):
+            raise ValueError("follow: the offset is outside the sequence")
+        self._followed.append((sid, source, offset))
+
+    def sync(self) -> None:
+        """Append to every followed sequence what its source has grown by (one call per step)."""
+        for sid, src, off in self._followed:
             have = len(self._seqs[sid]) - off
-            if have < 0:
-                raise ValueError("sync: a sequence holds fewer tokens than its offset")
             if have < len(src):
                 self.append(sid, src, have)
 
