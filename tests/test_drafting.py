@@ -185,20 +185,36 @@ def test_step_overhead_compares_like_batches():
     assert ov.factor(4) == pytest.approx(2.0)
 
 
-def test_realized_cost_vetoes_drafting_where_it_measured_dearer_and_wears_off():
+def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     from rhymerl.drafting.gate import RealizedCost
 
     cost = CostModel({(b, t): 0.001 * b for b in (1, 16, 128) for t in (1, 2, 5)})
-    r = RealizedCost(decay=0.0, wear=0.5)
-    r.update(cost, 16, 40, 0.016 * 3.0, drafted=True)  # 2.5 tokens a row for 3x the time: 1.2 per token
-    assert not r.vetoes(16)  # no plain step measured anywhere yet: no evidence to veto on
-    r.update(cost, 128, 128, 0.128, drafted=False)  # plain decoding: 1.0 per token (another bucket stands in)
-    assert r.vetoes(16) and r.spec[16 .bit_length()] == 0.6  # vetoed, and the veto wears down...
-    assert not r.vetoes(16)  # ...until the bucket is tried again
-    r.update(cost, 16, 16, 0.016 * 1.5, drafted=True)  # drafted nothing that paid: dearer again
-    assert r.vetoes(16)
-    r.update(cost, 128, 300, 0.128 * 1.2, drafted=True)  # 2.3 tokens a row for 1.2x: drafting pays
-    assert not r.vetoes(128)
+    r = RealizedCost(decay=0.0, backoff=2, max_backoff=4, max_age=3)
+    assert not r.needs_plain(16) and r.allows(16, 0)  # nothing measured: draft
+    r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # 2.5 tokens a row for 3x the time: 1.2 per token
+    assert r.needs_plain(16) and not r.needs_plain(128)  # drafting ran here, plain decoding never did
+    r.update(cost, 16, 16, 0.016, option=None)  # plain: 1.0 per token
+    assert not r.needs_plain(16)
+    r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # dearer than plain: held for 2 of its steps...
+    assert [r.allows(16, 0) for _ in range(3)] == [False, False, True]
+    assert r.allows(16, 1) and r.allows(128, 0)  # ...that set, in that bucket only
+    r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # confirmed: the hold doubles (to the cap)
+    assert [r.allows(16, 0) for _ in range(5)] == [False] * 4 + [True]
+    r.update(cost, 16, 40, 0.016 * 2.0, option=0)  # 0.8 per token: cheaper, no hold
+    assert r.allows(16, 0)
+    r.update(cost, 16, 40, 0.016 * 3.0, option=0)
+    r.lift({1})  # what set 1 drafts from changed: set 0 stays held
+    assert not r.allows(16, 0)
+    r.lift({0})  # set 0's sources changed: no hold, and the next measurement replaces the old one
+    assert r.allows(16, 0)
+    r.update(cost, 16, 40, 0.016 * 2.0, option=0)
+    assert r.spec[(5, 0)] == pytest.approx(0.8) and r.allows(16, 0)
+    for _ in range(4):  # plain decoding not measured for max_age steps: measure it again
+        r.update(cost, 16, 40, 0.016 * 2.0, option=0)
+    assert r.needs_plain(16)
+    back = RealizedCost()
+    back.load(r.state())
+    assert back.plain == r.plain and back.spec == r.spec
 
 
 def test_history_store_caps_and_persistence(tmp_path, caplog):

@@ -114,6 +114,8 @@ class SpecController:
         self.acceptance = AcceptanceEstimate()
         self.overhead = StepOverhead()
         self.realized = RealizedCost()  # kept across rollout steps: it judges sources, not one batch
+        self._option = 0  # which of _source_sets drafted this step
+        self._store_version = getattr(store, "version", None)
         self._emitted = 0  # tokens the last decode step emitted
         self.calibration = Calibration()
         self.step = 0
@@ -147,6 +149,11 @@ class SpecController:
         self.overhead = StepOverhead()  # fresh measurements per rollout step
         self._fill = max(self._fill, 0.5)
         self.acceptance.relax(0.5)
+        version = getattr(self.store, "version", None)
+        if version != self._store_version:  # new history: sets that read it may pay now
+            self._store_version = version
+            self.realized.lift({n for n, option in enumerate(self._source_sets)
+                                if any(getattr(src, "store", None) is not None for src in option)})
         for s in self.sources:
             s.begin(step)
 
@@ -165,14 +172,17 @@ class SpecController:
         # this check runs every step, and a step that skips must cost next to nothing), then
         # the rows' own caps.
         sources, k_pre = self.sources, self.cap
-        if cfg.gate and self.realized.vetoes(B):
-            return self._skip(bucket, B)
+        self._option = 0
         if cfg.gate:
+            if self.realized.needs_plain(B):
+                return [None] * B  # one plain step, to measure what drafting is compared with
             full = {round(self.cap * self._fill): B}
-            for option in self._source_sets:
+            for n, option in enumerate(self._source_sets):
+                if not self.realized.allows(B, n):
+                    continue
                 k_pre = best_width(self.cost_model, full, alpha, self.cap, over, self._draft_seconds(bucket, option))
                 if k_pre:
-                    sources = option
+                    sources, self._option = option, n
                     break
             else:
                 return self._skip(bucket, B)
@@ -334,7 +344,8 @@ class SpecController:
                 s.build_s = 0.0
         if self.cost_model is not None:
             # Index building is a one-off, amortised over the rollout; drafting is this step's cost.
-            self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build), self._draft_s > 0)
+            self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build),
+                                 self._option if self._draft_s > 0 else None)
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)
@@ -361,7 +372,7 @@ class SpecController:
                 "fill": self._fill,
                 "calibration": sorted(self.calibration.ratio.items()),
                 "draft_cost": sorted([b, n, v] for (b, n), v in self.draft_cost.items()),
-                "realized": {"plain": sorted(self.realized.plain.items()), "spec": sorted(self.realized.spec.items())},
+                "realized": self.realized.state(),
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
@@ -374,9 +385,8 @@ class SpecController:
             fill = float(state["fill"])
             calib = {str(k): float(v) for k, v in state.get("calibration", [])}
             dcost = {(int(b), str(n)): float(v) for b, n, v in state.get("draft_cost", [])}
-            realized = state.get("realized", {})
-            r_plain = {int(b): float(r) for b, r in realized.get("plain", [])}
-            r_spec = {int(b): float(r) for b, r in realized.get("spec", [])}
+            realized = RealizedCost()
+            realized.load(state.get("realized", {}))
             cost = None if state.get("cost") is None else \
                 CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
         except (KeyError, TypeError, ValueError) as e:
@@ -387,7 +397,7 @@ class SpecController:
         self._fill = fill
         self.calibration.ratio = calib
         self.draft_cost = dcost
-        self.realized.plain, self.realized.spec = r_plain, r_spec
+        self.realized = realized
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
 

@@ -35,6 +35,7 @@ class _Row:
     slot: int
     cached: int = 0  # tokens of all_ids() whose K/V are in the slot
     fed: list[int] = field(default_factory=list)  # drafted tokens whose K/V were written after `cached`
+    start: int = 0  # the token of all_ids() at cache position 0 (the row's context restarted there)
 
 
 def load_draft_model(path: str | Path, target: CausalLM) -> CausalLM:
@@ -76,6 +77,7 @@ def check_same_tokenizer(draft_path: str | Path, target_path: str | Path) -> Non
 @register_source("draft_model")
 class DraftModelSource(DraftSource):
     runs_a_model = True
+    CATCH_UP = 32  # the most tokens a row feeds to catch up; a longer gap restarts its context
 
     def __init__(self, ctx: SourceContext, model: CausalLM | None = None) -> None:
         cfg = ctx.cfg
@@ -145,7 +147,7 @@ class DraftModelSource(DraftSource):
         self._ensure(B, 0)  # slots for every row before rows move into them
         state = self._arrange(seqs)
         # What verification kept of last step's drafts keeps its K/V.
-        for r, ids in zip(state, all_ids):
+        for r, ids, seq in zip(state, all_ids, seqs):
             if r.fed:
                 n = 0
                 tail = ids[r.cached:]
@@ -154,14 +156,20 @@ class DraftModelSource(DraftSource):
                 r.cached += n
                 r.fed = []
             r.cached = min(r.cached, len(ids) - 1)  # the last token is always fed: its logits draft
+            if len(ids) - max(r.cached, len(seq.prompt_ids)) > self.CATCH_UP:
+                # More than CATCH_UP tokens generated since this model last saw the row (the gate
+                # held drafting off): restart the row's context on its last tokens, at positions
+                # from 0, rather than feed all it missed (at batch 128 that catch-up cost more
+                # than the target's step). Drafts only: verification keeps the tokens exact.
+                r.start = r.cached = len(ids) - self.CATCH_UP
         new = [ids[r.cached:] for r, ids in zip(state, all_ids)]
         T = max(len(x) for x in new)
-        longest = max(len(x) for x in all_ids)
+        longest = max(len(x) - r.start for r, x in zip(state, all_ids))
         self._ensure(B, longest + T + k + 2)
         cache = self.cache
         assert cache is not None
         dev = self.device
-        base = torch.tensor([r.cached for r in state], device=dev)
+        base = torch.tensor([r.cached - r.start for r in state], device=dev)  # cache positions
         lens = torch.tensor([len(x) for x in new], device=dev)
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, x in enumerate(new):
@@ -190,7 +198,7 @@ class DraftModelSource(DraftSource):
         fed = torch.stack([d[0] for d in draws[: k - 1]], 1).tolist() if k > 1 else [[] for _ in range(B)]
         end_c = end.tolist()
         for b, r in enumerate(state):
-            r.cached, r.fed = end_c[b], fed[b]
+            r.cached, r.fed = end_c[b] + r.start, fed[b]
         return candidates(self.name, rows, caps, k, draws, self.trees, batch_rows=rows)
 
     def on_finish(self, seq: Sequence) -> None:

@@ -119,44 +119,87 @@ class StepOverhead:
 
 
 class RealizedCost:
-    """Per batch-size bucket: what decode steps really cost per emitted token, relative to the
-    cost model's plain forward (EMA), for plain steps and for steps that drafted (drafting
-    included). The gate's prediction (cost model x acceptance estimate) is least reliable
-    where drafts are poor (a prompt's first epoch), and "never slower than no speculation" is
-    judged on measured time: speculation is vetoed in a bucket where it has measured dearer
-    per token than plain decoding. A veto wears off (the drafting steps' cost decays while
-    vetoed), so the bucket is tried again: one step now and then.
+    """Measured, not predicted: per batch-size bucket, what decode steps really cost per
+    emitted token relative to the cost model's plain forward (EMA), for plain steps and for
+    steps that drafted with each source set (drafting included).
 
-    Plain steps may not have run in a bucket (a batch that drafts from its first step): the
-    plain cost of the nearest measured bucket stands in; before any plain step, no veto."""
+    The gate's prediction (cost model x acceptance estimate) is least reliable where drafts
+    are poor (a prompt's first epoch, a draft model whose forwards cost a real fraction of the
+    target's), and "never slower than no speculation" is judged on measured time. So: where a
+    source set has just measured dearer per token than plain decoding, it is held off in that
+    bucket for ``backoff`` of its steps, the hold doubling each time it is confirmed (up to
+    ``max_backoff``) and reset when the set measures cheaper. A bucket where drafting runs but
+    plain decoding was never measured (or not for ``max_age`` of its steps) takes one plain
+    step to measure it. Holds outlast rollout steps (an exploring step is dear: at batch 128 a
+    draft model's first step cost 3x a plain one), except where what a set drafts from has
+    changed (:meth:`lift`: a history source after new history was recorded); the next
+    measurement of a lifted set replaces its old one. Plain costs are kept."""
 
-    def __init__(self, decay: float = 0.7, wear: float = 0.97) -> None:
-        self.decay, self.wear = decay, wear
+    def __init__(self, decay: float = 0.7, backoff: int = 8, max_backoff: int = 512, max_age: int = 64) -> None:
+        self.decay, self.backoff0, self.max_backoff, self.max_age = decay, backoff, max_backoff, max_age
         self.plain: dict[int, float] = {}
-        self.spec: dict[int, float] = {}
+        self.spec: dict[tuple[int, int], float] = {}
+        self._age: dict[int, int] = {}  # steps in the bucket since plain decoding was measured there
+        self._hold: dict[tuple[int, int], int] = {}
+        self._backoff: dict[tuple[int, int], int] = {}
+        self._stale: set[tuple[int, int]] = set()
 
-    def update(self, cost: CostModel, B: int, emitted: int, seconds: float, drafted: bool) -> None:
+    def lift(self, options: set[int]) -> None:
+        """What these source sets draft from has changed: hold them no longer, measure afresh."""
+        for key in [k for k in self._hold if k[1] in options]:
+            del self._hold[key]
+        for key in [k for k in self.spec if k[1] in options]:
+            self._stale.add(key)
+            self._backoff.pop(key, None)
+
+    def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None) -> None:
+        """One decode step's measurement; ``option`` is the source set that drafted (None: plain)."""
         if emitted <= 0:
             return
         r = seconds / cost.cost(B, 1) * B / emitted
-        table = self.spec if drafted else self.plain
         b = B.bit_length()
-        table[b] = r if b not in table else self.decay * table[b] + (1 - self.decay) * r
+        self._age[b] = self._age.get(b, 0) + 1
+        if option is None:
+            self.plain[b] = r if b not in self.plain else self.decay * self.plain[b] + (1 - self.decay) * r
+            self._age[b] = 0
+            return
+        key = (b, option)
+        if key not in self.spec or key in self._stale:
+            self.spec[key] = r
+            self._stale.discard(key)
+        else:
+            self.spec[key] = self.decay * self.spec[key] + (1 - self.decay) * r
+        plain = self.plain.get(b)
+        if plain is None:
+            return
+        if self.spec[key] > plain:
+            n = self._backoff.get(key, self.backoff0)
+            self._hold[key] = n
+            self._backoff[key] = min(self.max_backoff, 2 * n)
+        else:
+            self._backoff[key] = self.backoff0
 
-    def _plain(self, b: int) -> float | None:
-        if b in self.plain:
-            return self.plain[b]
-        if not self.plain:
-            return None
-        return self.plain[min(self.plain, key=lambda x: (abs(x - b), x))]
-
-    def vetoes(self, B: int) -> bool:
-        """Whether drafting has measured dearer per token than plain decoding at this batch
-        size; a vetoed call wears the veto down."""
+    def needs_plain(self, B: int) -> bool:
+        """Whether this step should decode plainly to measure plain decoding in its bucket."""
         b = B.bit_length()
-        spec = self.spec.get(b)
-        plain = self._plain(b)
-        if spec is None or plain is None or spec <= plain:
-            return False
-        self.spec[b] = spec * self.wear
-        return True
+        drafting_here = any(k[0] == b for k in self.spec)
+        return drafting_here and (b not in self.plain or self._age.get(b, 0) > self.max_age)
+
+    def allows(self, B: int, option: int) -> bool:
+        """Whether source set ``option`` may draft at this batch size; a held call counts down."""
+        key = (B.bit_length(), option)
+        left = self._hold.get(key, 0)
+        if left <= 0:
+            return True
+        self._hold[key] = left - 1
+        return False
+
+    def state(self) -> dict:
+        return {"plain": sorted(self.plain.items()), "spec": sorted([b, o, r] for (b, o), r in self.spec.items()),
+                "backoff": sorted([b, o, n] for (b, o), n in self._backoff.items())}
+
+    def load(self, state: dict) -> None:
+        self.plain = {int(b): float(r) for b, r in state.get("plain", [])}
+        self.spec = {(int(b), int(o)): float(r) for b, o, r in state.get("spec", [])}
+        self._backoff = {(int(b), int(o)): int(n) for b, o, n in state.get("backoff", [])}
+        self._stale = set(self.spec)
