@@ -16,6 +16,7 @@ from rhymerl.drafting.gate import AcceptanceEstimate, best_width, expected_accep
 from rhymerl.drafting.length_policy import additive, multiplicative
 from rhymerl.drafting import suffix_index, suffix_reference
 from rhymerl.engine.cost_model import CostModel
+from rhymerl.engine.draft import as_batch
 from rhymerl.engine.sampler import sampling_logprobs, uniforms
 from tests.conftest import tiny_model
 
@@ -135,8 +136,10 @@ def test_compiled_core_equals_the_reference(seqs, finals, weights, contexts, max
             other.add(s, 1.0, True)
         rows = len(contexts)
         per_source = [[idx] * rows, [other if r % 2 else None for r in range(rows)], [found[0]] * rows]
-        rule = [core.longest_match_drafts(per_source, [True, merge, False], [False, fb, True], contexts,
-                                          [[1, 2]] * rows, [cap] * rows, max_match, min_match, min_prob, tb)
+        caps = [cap if r % 3 else 0 for r in range(rows)]  # and rows with no room
+        rule = [[a.tolist() for a in core.longest_match_drafts(
+                    per_source, [True, merge, False], [False, fb, True], contexts, [[1, 2]] * rows, caps,
+                    max_match, min_match, min_prob, tb)]
                 for merge in (True, False) for fb in (True, False) for tb in (0, budget)]
         out[core] = (rule, [None if m is None else (m.match, m.next_tokens()) for m in found],
                      core.draft_paths(ms + pooled, [cap] * 2 * len(ms), min_prob),
@@ -325,6 +328,12 @@ def test_sampled_distribution_agrees_chi_square():
         assert p_value > 0.001, (pos, chi2.item(), p_value)
 
 
+def _rows(drafts, n: int) -> list:
+    """A proposer's drafts as one tree (or None) per row."""
+    batch = as_batch(drafts)
+    return [None] * n if batch is None else list(batch)
+
+
 def test_gate_recovers_after_an_epoch_without_history():
     """A first epoch without history must not switch drafting off for the epochs after it."""
     from rhymerl.drafting import SpecConfig
@@ -339,11 +348,11 @@ def test_gate_recovers_after_an_epoch_without_history():
         s.output_ids, s.limit = [1, 2, 3], 50
         seqs.append(s)
     for _ in range(50):  # epoch 1: nothing to draft from
-        assert d.propose(seqs) == [None] * 8
+        assert as_batch(d.propose(seqs)) is None
     d.begin(2)
     for i in range(8):
         d.store.add(f"k{i}", [5, 6, 7], [[1, 2, 3, 4, 5, 6, 7, 8]], step=1)
-    drafts = d.propose(seqs)
+    drafts = list(d.propose(seqs))
     assert all(x is not None and x.tokens[:2] == (4, 5) for x in drafts)
 
 
@@ -359,12 +368,12 @@ def test_global_fallback_drafts_from_other_prompts(fallback):
     d.store.add("b", [5, 6, 7], [[20, 21, 22, 23]], step=1)
     s = Sequence(0, 0, [8, 9], SamplingParams(max_tokens=50), seed=0, prompt_key="new")
     s.output_ids, s.limit, s.draft_len = [11, 12, 13], 50, 4
-    (draft,) = d.propose([s])
+    (draft,) = _rows(d.propose([s]), 1)
     if fallback:
         assert draft is not None and draft.tokens[:3] == (14, 15, 16)
     else:
         assert draft is None
     # its own history, matching as long, wins over the others'
     d.store.add("new", [8, 9], [[11, 12, 13, 30, 31]], step=1)
-    (draft,) = d.propose([s])
+    (draft,) = _rows(d.propose([s]), 1)
     assert draft is not None and draft.tokens[0] == 30

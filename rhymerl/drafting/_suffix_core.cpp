@@ -5,6 +5,7 @@
 //
 // Why compiled: at batch 128 the Python version spent 15-20 % of rollout time here (about
 // 3,500 index queries a rollout, each a Python loop over up to 64 occurrences).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -498,46 +499,61 @@ PYBIND11_MODULE(_suffix_core, mod) {
               throw py::value_error("longest_match_drafts: arguments differ in length");
             for (const auto& l : per_source)
               if (size_t(l.size()) != rows) throw py::value_error("longest_match_drafts: a source's list is not one per row");
-            py::list out(rows);
             std::vector<CastCache> casts(per_source.size());
+            std::vector<int> winner(rows, -1);
+            std::vector<std::vector<Tok>> toks(rows);
+            std::vector<std::vector<int>> parents(rows);
+            std::vector<std::vector<double>> probs(rows);
+            const bool tree = tree_budget > 0;
+            size_t width = 0;
             for (size_t i = 0; i < rows; ++i) {
+              if (caps[i] <= 0) continue;
               Matches best;
               int k = longest_match(per_source, merge, fallback, casts, i, outputs[i], prompts[i], pattern_max,
                                     pattern_min, best);
-              if (k < 0) {
-                out[i] = py::none();
-                continue;
-              }
-              std::vector<Tok> toks;
-              std::vector<int> parents;
-              std::vector<double> probs;
-              bool tree = tree_budget > 0;
+              if (k < 0) continue;
               if (tree)
-                std::tie(toks, parents, probs) = draft_tree(best, std::min(tree_budget, std::max(caps[i], 1) * 2), caps[i], min_prob);
+                std::tie(toks[i], parents[i], probs[i]) =
+                    draft_tree(best, std::min(tree_budget, std::max(caps[i], 1) * 2), caps[i], min_prob);
               else
-                std::tie(toks, probs) = draft_path(best, caps[i], min_prob);
-              if (toks.empty()) {
-                out[i] = py::none();
-                continue;
-              }
-              // Built by hand: the generic casters cost more than the drafting itself here.
-              py::object par = py::none(), dep = py::none();
-              if (tree) {
-                std::vector<int> depths(parents.size());
-                for (size_t j = 0; j < parents.size(); ++j) depths[j] = parents[j] < 0 ? 1 : depths[size_t(parents[j])] + 1;
-                par = as_tuple(parents);
-                dep = as_tuple(depths);
-              }
-              out[i] = py::make_tuple(k, as_tuple(toks), par, dep, with_probs ? as_list(probs) : py::object(py::none()));
+                std::tie(toks[i], probs[i]) = draft_path(best, caps[i], min_prob);
+              if (toks[i].empty()) continue;
+              winner[i] = k;
+              width = std::max(width, toks[i].size());
             }
-            return out;
+            // One padded array per field for the whole batch: the engine scores it as it is.
+            const auto W = py::ssize_t(width), R = py::ssize_t(rows);
+            py::array_t<int64_t> src(R), len(R), tok({R, W}), par({R, W}), dep({R, W});
+            py::array_t<double> pr({R, with_probs ? W : py::ssize_t(0)});
+            auto s_ = src.mutable_unchecked<1>();
+            auto l_ = len.mutable_unchecked<1>();
+            auto t_ = tok.mutable_unchecked<2>();
+            auto p_ = par.mutable_unchecked<2>();
+            auto d_ = dep.mutable_unchecked<2>();
+            auto q_ = pr.mutable_unchecked<2>();
+            for (py::ssize_t i = 0; i < R; ++i) {
+              const auto& t = toks[size_t(i)];
+              const py::ssize_t n = py::ssize_t(t.size());
+              s_(i) = winner[size_t(i)];
+              l_(i) = winner[size_t(i)] < 0 ? 0 : n;
+              for (py::ssize_t j = 0; j < W; ++j) {
+                bool on = winner[size_t(i)] >= 0 && j < n;
+                t_(i, j) = on ? t[size_t(j)] : -1;
+                int parent = !on ? -1 : tree ? parents[size_t(i)][size_t(j)] : int(j) - 1;
+                p_(i, j) = parent;
+                d_(i, j) = !on ? 0 : parent < 0 ? 1 : d_(i, parent) + 1;
+                if (with_probs) q_(i, j) = on ? probs[size_t(i)][size_t(j)] : 0.0;
+              }
+            }
+            return py::make_tuple(src, len, tok, par, dep, with_probs ? py::object(pr) : py::object(py::none()));
           }, py::arg("per_source"), py::arg("merge"), py::arg("fallback"), py::arg("outputs"), py::arg("prompts"),
           py::arg("caps"), py::arg("pattern_max"), py::arg("pattern_min"), py::arg("min_prob"), py::arg("tree_budget"),
           py::arg("with_probs") = true,
-          "The longest-match rule and the draft, per row: per_source[k][i] is the index source k matches "
-          "row i's context in, or the Matches it found itself, or None. Returns per row None or "
-          "(source k, tokens, parents, depths (both None for a path), node probabilities or None without "
-          "with_probs), tokens, parents and depths as tuples.");
+          "The longest-match rule and the drafts, for a batch: per_source[k][i] is the index source k "
+          "matches row i's context in, or the Matches it found itself, or None; rows with caps[i] <= 0 "
+          "are not drafted. Returns numpy arrays (source [R] (-1: no draft), lengths [R], tokens, parents, "
+          "depths [R, W], node probabilities [R, W] or None without with_probs), W the longest draft; "
+          "past a row's length: token -1, parent -1, depth 0, probability 0.");
 
   mod.def("draft_paths", [](const std::vector<const Matches*>& matches, const std::vector<int>& caps, double min_prob) {
             if (matches.size() != caps.size()) throw py::value_error("draft_paths: matches and caps differ in length");

@@ -22,13 +22,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rhymerl.drafting.config import SpecConfig
 from rhymerl.drafting.gate import AcceptanceEstimate, RealizedCost, StepOverhead, best_width
 from rhymerl.drafting.length_policy import POLICIES
 from rhymerl.drafting.source import Candidate, DraftSource, IndexSource, SourceContext, get_source
 from rhymerl.drafting.suffix_index import longest_match_drafts
 from rhymerl.engine.cost_model import CostModel
-from rhymerl.engine.draft import DraftTree
+from rhymerl.engine.draft import DraftBatch, DraftTree
 from rhymerl.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,7 @@ class SpecController:
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
         # This step's batch, its drafts and each drafted row's (source, node probabilities): what
         # observe() reads for the rows verification scored (the engine passes the same list).
-        self._pending: tuple[list[Sequence], list, list] | None = None
+        self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any] | None = None
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
 
@@ -157,7 +159,7 @@ class SpecController:
         for s in self.sources:
             s.begin(step)
 
-    def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
+    def propose(self, seqs: list[Sequence]) -> DraftBatch | None:
         cfg = self.cfg
         B = len(seqs)
         alpha = self.acceptance.alpha
@@ -175,7 +177,7 @@ class SpecController:
         self._option = 0
         if cfg.gate:
             if self.realized.needs_plain(B):
-                return [None] * B  # one plain step, to measure what drafting is compared with
+                return None  # one plain step, to measure what drafting is compared with
             full = {round(self.cap * self._fill): B}
             for n, option in enumerate(self._source_sets):
                 if not self.realized.allows(B, n):
@@ -191,31 +193,30 @@ class SpecController:
         caps = [max(0, min(s.draft_len or 2, cap, s.limit - len(s.output_ids) - 1)) for s in seqs]
         for src in sources:
             src.prepare(seqs)
-        drafts, chosen = self._draft(seqs, caps, sources, bucket)
+        batch, names, probs = self._draft(seqs, caps, sources, bucket)
         self._draft_s = time.perf_counter() - t0
-        lengths = [len(d) if d is not None else 0 for d in drafts]
+        lengths = batch.lengths if batch is not None else [0] * B
         total = sum(caps)
         if total:
             self._fill = 0.8 * self._fill + 0.2 * min(1.0, sum(lengths) / total)
         k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
-        if k == 0:
+        if k == 0 or batch is None:
             # The drafts found do not pay: expect less next time, so that the check above skips
             # the drafting work until drafts may have grown (it drifts back up).
             self._fill *= 0.5
-            return [None] * B
-        if k < max(lengths):
-            drafts = [_truncate(d, k) if d is not None and len(d) > k else d for d in drafts]
-        self._pending = (seqs, drafts, chosen)
-        return drafts
+            return None
+        batch = batch.truncated(k)
+        self._pending = (seqs, batch, names, probs)
+        return batch
 
-    def _skip(self, bucket: int, B: int) -> list[None]:
+    def _skip(self, bucket: int, B: int) -> None:
         """No drafts this step. Drift back (fuller drafts, cheaper drafting), so that skipping
         is not permanent: a cost measured once, when drafting was slow, must not switch it off
         for good."""
         self._fill = 0.95 * self._fill + 0.05
         for key in [k for k in self.draft_cost if k[0] == bucket]:
             self.draft_cost[key] *= 0.95
-        return [None] * B
+        return None
 
     def _draft_seconds(self, bucket: int, sources: list[DraftSource]) -> float:
         """Recent drafting time of ``sources`` at this batch size (the index sources as one)."""
@@ -227,31 +228,34 @@ class SpecController:
         self.draft_cost[(bucket, name)] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def _draft(self, seqs: list[Sequence], caps: list[int], sources: list[DraftSource],
-               bucket: int) -> tuple[list[DraftTree | None], list]:
-        """One draft per row (or None) and, per row, (source, node probabilities); drafting
-        time is measured (less one-off index building) for the gate.
+               bucket: int) -> tuple[DraftBatch | None, list[str | None], Any]:
+        """The batch's drafts, each row's source (None: no draft) and its drafts' node
+        probabilities (rows of an array or lists; None when no rule reads them); drafting time
+        is measured (less one-off index building) for the gate.
 
         Occurrence sources (indices, or matches a source found itself) go through the
-        longest-match rule and drafting in one compiled call for the batch; a model source's
-        tree is an option of its own beside them."""
+        longest-match rule and drafting in one compiled call for the batch, which returns the
+        batch's padded arrays; a model source's tree is an option of its own beside them."""
         cfg = self.cfg
+        B = len(seqs)
+        every = range(B)
         rows = [i for i, c in enumerate(caps) if c > 0]
         options: dict[int, list[Candidate]] = {}
         cols: list[list] = []
         col_sources: list[DraftSource] = []
-        indexed = [src for src in sources if isinstance(src, IndexSource)]
+        indexed = any(isinstance(src, IndexSource) for src in sources)
         t_index = 0.0
         for src in sources:
             t0 = time.perf_counter()
             b0 = getattr(src, "build_s", 0.0)
             if isinstance(src, IndexSource):
-                cols.append(src.indices(seqs, rows))
+                cols.append(src.indices(seqs, every))  # rows with no room are skipped by the core
                 col_sources.append(src)
                 t_index += time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0)
                 continue
             got = src.propose(seqs, caps, rows)
             col, any_occ = [], False
-            for i in rows:
+            for i in every:
                 c = got.get(i)
                 if c is not None and c.tree is not None:
                     options.setdefault(i, []).append(c)
@@ -262,46 +266,48 @@ class SpecController:
                 cols.append(col)
                 col_sources.append(src)
             self._charge(bucket, src.name, max(0.0, time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0)))
-        drafts: list[DraftTree | None] = [None] * len(seqs)
-        chosen: list = [None] * len(seqs)
+        batch: DraftBatch | None = None
+        names: list[str | None] = [None] * B
+        probs: Any = None
         if cols:
             t0 = time.perf_counter()
-            picked = [seqs[i] for i in rows]
-            res = longest_match_drafts(cols, [s.merge_ties for s in col_sources], [s.fallback for s in col_sources],
-                                       [s.output_ids for s in picked], [s.prompt_ids for s in picked],
-                                       [caps[i] for i in rows], cfg.pattern_max, cfg.pattern_min, cfg.min_prob,
-                                       cfg.tree_budget, self._wants_probs)
-            path, tree, names = DraftTree.path, DraftTree.built, [s.name for s in col_sources]
-            for i, r in zip(rows, res):
-                if r is not None:
-                    k, toks, parents, depths, probs = r
-                    drafts[i] = path(toks) if parents is None else tree(toks, parents, depths)
-                    chosen[i] = (names[k], probs)
+            src_a, len_a, tok_a, par_a, dep_a, probs = longest_match_drafts(
+                cols, [s.merge_ties for s in col_sources], [s.fallback for s in col_sources],
+                [s.output_ids for s in seqs], [s.prompt_ids for s in seqs], caps, cfg.pattern_max,
+                cfg.pattern_min, cfg.min_prob, cfg.tree_budget, self._wants_probs or bool(options))
+            lengths = len_a.tolist()
+            if any(lengths):
+                batch = DraftBatch(torch.from_numpy(tok_a), torch.from_numpy(par_a), torch.from_numpy(dep_a),
+                                   lengths, is_path=cfg.tree_budget == 0)
+                col_names = [s.name for s in col_sources]
+                names = [col_names[k] if k >= 0 else None for k in src_a.tolist()]
             t_index += time.perf_counter() - t0
         if indexed:
             self._charge(bucket, INDEX, max(0.0, t_index))
         if not options:  # occurrence sources only: each row's draft is its best match's
-            return drafts, chosen
-        built = {i: (chosen[i][0], drafts[i], chosen[i][1]) for i in rows if drafts[i] is not None}
+            return batch, names, probs
+        drafts: list[DraftTree | None] = list(batch) if batch is not None else [None] * B
+        chosen: list = [None] * B
         for i in rows:
-            cands = [built[i]] if i in built else []
+            cands = [(names[i], drafts[i], probs[i][:len(drafts[i])].tolist())] if drafts[i] is not None else []
             for c in options.get(i, []):
                 n = _prefix_within(c.tree, caps[i], self.cfg.tree_budget)
                 if n:
                     cands.append((c.source, _truncate(c.tree, n), c.probs[:n]))
             if not cands:
+                drafts[i] = None
                 continue
             if self.rule == "best_expected" and len(cands) > 1:
                 cands.sort(key=lambda x: -self.calibration(x[0]) * sum(x[2]))
                 if self.cfg.tree_budget > 0:
                     # Room for a tree: every source's draft as branches of one tree (verification
                     # takes whichever branch the target draws), best nodes first.
-                    tree, probs = union_tree([(t, [self.calibration(src) * q for q in pr]) for src, t, pr in cands],
-                                             self.cfg.tree_budget)
-                    cands = [(cands[0][0], tree, probs)]
-            pick = cands[0]
-            drafts[i], chosen[i] = pick[1], (pick[0], pick[2])
-        return drafts, chosen
+                    tree, pr = union_tree([(t, [self.calibration(src) * q for q in p]) for src, t, p in cands],
+                                          self.cfg.tree_budget)
+                    cands = [(cands[0][0], tree, pr)]
+            drafts[i], chosen[i] = cands[0][1], cands[0]
+        return (DraftBatch.from_trees(drafts), [c[0] if c is not None else None for c in chosen],
+                [c[2] if c is not None else None for c in chosen])
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         pending, self._pending = self._pending, None
@@ -309,26 +315,26 @@ class SpecController:
             self._emitted = len(seqs)
             self.acceptance.add(0, 0)
             return
-        _, drafts, chosen = pending
+        _, batch, names, probs = pending
         self._emitted = len(seqs) + sum(accepted)
         succ = fail = 0
         calibrate = self._wants_probs  # the only rule that reads the calibration
         acc_by: Counter[str] = Counter()
         drafted_by: Counter[str] = Counter()
         policy, cap = self.policy, self.cap
+        depths = batch.row_depths()
         for b, d in enumerate(drafted):
             if not d:
                 continue
-            seq, tree, (source, probs) = seqs[b], drafts[b], chosen[b]
-            a = accepted[b]
+            source, a, depth = names[b], accepted[b], depths[b]
             if calibrate:
-                self.calibration.update(source, sum(probs[:len(tree)]), a)
+                self.calibration.update(source, float(sum(probs[b][:d])), a)
             acc_by[source] += a
             drafted_by[source] += d
             # A tree is "fully accepted" when the walk reached its deepest level.
-            depth = tree.depth
             succ += a
             fail += a < depth
+            seq = seqs[b]
             seq.draft_len = policy(seq.draft_len or 2, depth, a, cap=cap)
         self.accepted_by_source.update(acc_by)
         self.drafted_by_source.update(drafted_by)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 MIN_MATCH = 3
 MAX_OCCURRENCES = 64  # per query, most recent first: bounds work on repetitive text
 VOCAB_LIMIT = 1 << 21  # three ids pack into one key
@@ -253,24 +255,27 @@ def draft_trees(matches: list[Matches], budgets: list[int], caps: list[int],
 
 def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: list[bool], outputs: list[Seq[int]],
                          prompts: list[Seq[int]], caps: list[int], pattern_max: int, pattern_min: int,
-                         min_prob: float, tree_budget: int, with_probs: bool = True) -> list[tuple | None]:
-    """The controller's longest-match rule over occurrence sources, and the draft, per row.
+                         min_prob: float, tree_budget: int, with_probs: bool = True) -> tuple:
+    """The controller's longest-match rule over occurrence sources, and the drafts, for a batch.
 
     ``per_source[k][i]`` is the index source ``k`` matches row ``i``'s context in, or the
-    :class:`Matches` it found itself, or None. Each source in order: a longer match wins, an
-    equal one of two merging sources pools its occurrences, a fallback source is asked only
-    while the best match is shorter than ``pattern_max``. Returns per row None or
-    ``(source k, tokens, parents, depths (both None for a path), node probabilities or None
-    without with_probs)``, tokens, parents and depths as tuples."""
+    :class:`Matches` it found itself, or None; rows with ``caps[i] <= 0`` are not drafted.
+    Each source in order: a longer match wins, an equal one of two merging sources pools its
+    occurrences, a fallback source is asked only while the best match is shorter than
+    ``pattern_max``. Returns numpy arrays ``(source [R] (-1: no draft), lengths [R], tokens,
+    parents, depths [R, W], node probabilities [R, W] or None without with_probs)``, ``W`` the
+    longest draft; past a row's length: token -1, parent -1, depth 0, probability 0."""
     rows = len(caps)
     if not len(outputs) == len(prompts) == rows or not len(merge) == len(fallback) == len(per_source):
         raise ValueError("longest_match_drafts: arguments differ in length")
     if any(len(col) != rows for col in per_source):
         raise ValueError("longest_match_drafts: a source's list is not one per row")
-    out: list[tuple | None] = []
+    found: list[tuple[int, list[int], list[int], list[float]] | None] = []
     for i in range(rows):
         best, winner = None, -1
         for k, col in enumerate(per_source):
+            if caps[i] <= 0:
+                break
             if fallback[k] and best is not None and best.match >= pattern_max:
                 continue
             h = col[i]
@@ -283,17 +288,30 @@ def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: li
             elif h.match == best.match and merge[k] and merge[winner]:
                 best = best + h
         if best is None:
-            out.append(None)
+            found.append(None)
             continue
         if tree_budget > 0:
             toks, parents, probs = draft_tree(best, min(tree_budget, max(caps[i], 1) * 2), caps[i], min_prob)
         else:
-            (toks, probs), parents = draft_path(best, caps[i], min_prob), None
-        depths = None
-        if parents is not None:
-            depths = []
-            for p in parents:
-                depths.append(1 if p < 0 else depths[p] + 1)
-            parents, depths = tuple(parents), tuple(depths)
-        out.append((winner, tuple(toks), parents, depths, probs if with_probs else None) if toks else None)
-    return out
+            toks, probs = draft_path(best, caps[i], min_prob)
+            parents = list(range(-1, len(toks) - 1))
+        found.append((winner, toks, parents, probs) if toks else None)
+    W = max((len(f[1]) for f in found if f is not None), default=0)
+    src = np.full(rows, -1, dtype=np.int64)
+    lengths = np.zeros(rows, dtype=np.int64)
+    tokens = np.full((rows, W), -1, dtype=np.int64)
+    par = np.full((rows, W), -1, dtype=np.int64)
+    dep = np.zeros((rows, W), dtype=np.int64)
+    pr = np.zeros((rows, W if with_probs else 0))
+    for i, f in enumerate(found):
+        if f is None:
+            continue
+        k, toks, parents, probs = f
+        n = len(toks)
+        src[i], lengths[i] = k, n
+        tokens[i, :n], par[i, :n] = toks, parents
+        for j, p in enumerate(parents):
+            dep[i, j] = 1 if p < 0 else dep[i, p] + 1
+        if with_probs:
+            pr[i, :n] = probs
+    return src, lengths, tokens, par, dep, pr if with_probs else None

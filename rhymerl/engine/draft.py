@@ -1,7 +1,10 @@
-"""The interface between the engine and a drafter: token trees to verify."""
+"""The interface between the engine and a drafter: token trees to verify, one per row
+(:class:`DraftTree`) or the whole batch's at once (:class:`DraftBatch`)."""
 from __future__ import annotations
 
-from typing import Protocol, Sequence as Seq
+from typing import Protocol, Sequence as Seq, Union
+
+import torch
 
 from rhymerl.engine.sequence import Sequence
 
@@ -78,6 +81,86 @@ class DraftTree:
 _CHAINS: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # length -> a path's (parents, depths)
 
 
+class DraftBatch:
+    """Every row's draft tree, padded to one width ``W``: ``tokens``, ``parents`` (-1: the
+    row's last token) and ``depths`` (1 for the root's children) are ``[B, W]`` int64 tensors,
+    valid below ``lengths[b]`` (padding: token -1, parent -1, depth 0). A row's nodes are in
+    :class:`DraftTree` order (parents first), so any prefix of a row is a tree. ``is_path``:
+    every row is a chain. What one verification forward scores, built by a drafter for the
+    whole batch at once (no per-row objects on the hot path)."""
+
+    __slots__ = ("tokens", "parents", "depths", "lengths", "is_path")
+
+    def __init__(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, lengths: list[int],
+                 is_path: bool) -> None:
+        self.tokens, self.parents, self.depths = tokens, parents, depths
+        self.lengths, self.is_path = lengths, is_path
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @staticmethod
+    def from_trees(trees: Seq[DraftTree | None]) -> "DraftBatch | None":
+        """One tree (or None) per row; None where no row has a draft."""
+        lengths = [len(t) if t is not None else 0 for t in trees]
+        W = max(lengths, default=0)
+        if W == 0:
+            return None
+        tok, par, dep = [], [], []
+        for t, n in zip(trees, lengths):
+            pad = W - n
+            if n:
+                tok.append([*t.tokens, *([-1] * pad)])  # type: ignore[union-attr]
+                par.append([*t.parents, *([-1] * pad)])  # type: ignore[union-attr]
+                dep.append([*t.depths, *([0] * pad)])  # type: ignore[union-attr]
+            else:
+                tok.append([-1] * W)
+                par.append([-1] * W)
+                dep.append([0] * W)
+        return DraftBatch(torch.tensor(tok), torch.tensor(par), torch.tensor(dep), lengths,
+                          all(t is None or t.is_path for t in trees))
+
+    def tree(self, b: int) -> DraftTree | None:
+        """Row ``b``'s draft as a tree (None: no draft)."""
+        n = self.lengths[b]
+        if n == 0:
+            return None
+        toks = tuple(self.tokens[b, :n].tolist())
+        if self.is_path:
+            return DraftTree.path(toks)
+        return DraftTree.built(toks, tuple(self.parents[b, :n].tolist()), tuple(self.depths[b, :n].tolist()))
+
+    def __iter__(self):
+        return (self.tree(b) for b in range(len(self)))
+
+    def truncated(self, k: int) -> "DraftBatch":
+        """At most ``k`` nodes a row (a prefix of each row's nodes)."""
+        if k >= self.width:
+            return self
+        return DraftBatch(self.tokens[:, :k], self.parents[:, :k], self.depths[:, :k],
+                          [min(n, k) for n in self.lengths], self.is_path)
+
+    def row_depths(self) -> list[int]:
+        """Each row's deepest node (0 without a draft)."""
+        if self.is_path:
+            return list(self.lengths)
+        return self.depths.max(dim=1).values.tolist() if self.width else [0] * len(self)
+
+
+Drafts = Union[DraftBatch, Seq[Union[DraftTree, None]], None]
+
+
+def as_batch(drafts: Drafts) -> DraftBatch | None:
+    """What a proposer returned, as a batch (None: nothing to verify)."""
+    if drafts is None or isinstance(drafts, DraftBatch):
+        return drafts if drafts is None or any(drafts.lengths) else None
+    return DraftBatch.from_trees(drafts)
+
+
 class Proposer(Protocol):
     """What the engine asks of a drafter each decode step.
 
@@ -89,8 +172,9 @@ class Proposer(Protocol):
 
     max_nodes: int  # the most draft nodes any tree may have (sizes the KV headroom)
 
-    def propose(self, seqs: list[Sequence]) -> list[DraftTree | None]:
-        """One tree (or None) per running sequence, in slot order."""
+    def propose(self, seqs: list[Sequence]) -> Drafts:
+        """The drafts of the running sequences, in slot order: a :class:`DraftBatch`, one
+        tree (or None) per sequence, or None for no drafts this step."""
         ...
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rhymerl.engine.draft import Proposer
+from rhymerl.engine.draft import Proposer, as_batch
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner
 from rhymerl.engine.outputs import CompletionOutput, RequestOutput
@@ -151,10 +151,10 @@ class LLMEngine:
             drafts = None
             td = time.perf_counter()
             if self.proposer is not None:
-                drafts = self.proposer.propose(running)
+                drafts = as_batch(self.proposer.propose(running))
                 self.stats.draft_s += time.perf_counter() - td
             B = len(running)
-            width = 1 + max((len(d) for d in drafts if d is not None), default=0) if drafts else 1
+            width = 1 + drafts.width if drafts is not None else 1
             res = self.runner.decode(running, drafts)
             self.stats.forwards += 1
             self.stats.decode_rows += len(running)

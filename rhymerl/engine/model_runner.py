@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rhymerl.engine.acceptance import ancestors, walk_tree
-from rhymerl.engine.draft import DraftTree
+from rhymerl.engine.draft import Drafts, as_batch
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampler import SamplingBatch, sample
 from rhymerl.engine.sequence import Sequence
@@ -153,42 +153,34 @@ class ModelRunner:
             s.num_forwards += 1
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], drafts: list[DraftTree | None] | None = None) -> DecodeResult:
+    def decode(self, seqs: list[Sequence], drafts: Drafts = None) -> DecodeResult:
         """One forward over all running sequences (slots ``0..B-1``) with optional draft trees."""
         B = len(seqs)
         dev = self.device
-        n_nodes = [len(d) if d is not None else 0 for d in drafts] if drafts else [0] * B
-        T = 1 + max(n_nodes)
+        batch = as_batch(drafts)
+        n_nodes = batch.lengths if batch is not None else [0] * B
+        T = 1 + (batch.width if batch is not None else 0)
         lens = torch.tensor([s.cache_len for s in seqs], dtype=torch.long)
         gen = torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long)
-        if T == 1:
-            ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
+        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)
+        if batch is None:
+            ids = last
             depth = torch.zeros(B, 1, dtype=torch.long)
             tokens = ids.clone()
             parents = torch.full((B, 1), -1, dtype=torch.long)
         else:
-            # Padded rows built as Python lists, then one tensor each: no per-row tensor ops.
-            tok_rows, par_rows, dep_rows = [], [], []
-            for s, d in zip(seqs, drafts):  # type: ignore[arg-type]
-                n = len(d) if d is not None else 0
-                pad = [-1] * (T - 1 - n)
-                if n:
-                    tok_rows.append([s.last_token, *d.tokens, *pad])
-                    par_rows.append([-1, *(p + 1 for p in d.parents), *pad])
-                    dep_rows.append([0, *d.depths, *([0] * len(pad))])
-                else:
-                    tok_rows.append([s.last_token, *pad])
-                    par_rows.append([-1, *pad])
-                    dep_rows.append([0] * T)
-            tokens = torch.tensor(tok_rows, dtype=torch.long)
-            parents = torch.tensor(par_rows, dtype=torch.long)
-            depth = torch.tensor(dep_rows, dtype=torch.long)
+            # The whole batch's trees as tensors: node i of a row is column i + 1 (column 0 is
+            # the row's last token, the root); padding past a row's length scores nothing.
+            valid = torch.arange(T - 1).unsqueeze(0) < torch.tensor(n_nodes).unsqueeze(1)
+            tokens = torch.cat([last, torch.where(valid, batch.tokens, -1)], 1)
+            parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long), torch.where(valid, batch.parents + 1, -1)], 1)
+            depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), torch.where(valid, batch.depths, 0)], 1)
             ids = tokens.clamp(min=0)
         max_depth = int(depth.max())
         positions = (lens.unsqueeze(1) + depth).to(dev)
         write_pos = (lens.unsqueeze(1) + torch.arange(T)).to(dev)
         kv_len = int(lens.max()) + T
-        chain = T == 1 or all(d is None or d.is_path for d in drafts)  # type: ignore[union-attr]
+        chain = batch is None or batch.is_path
         parents_d = parents.to(dev)
         anc = ancestors(parents_d, max_depth, chain=chain)
         lens_d = lens.to(dev)
