@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
     b.add_argument("--epochs", help="spec: the measured epochs, comma-separated (default 1,3)")
-    b.add_argument("--reps", type=int, help="spec: timed rounds of the gated rows, methods in turn (default 2)")
+    b.add_argument("--reps", type=int, help="spec: timed rounds of the gated rows, methods in turn (default 5)")
     b.add_argument("--variants", help="e2e: comma-separated subset (the baseline and what they are compared "
                                       "with always run)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")

@@ -61,17 +61,21 @@ size_t py_len(py::handle seq) {
   return size_t(n);
 }
 
-// The last `n` tokens of prompt + output (reaching into the prompt early in a response).
-std::vector<Tok> tail(py::handle output, py::handle prompt, size_t n) {
-  std::vector<Tok> ctx;
+// Appends the last `n` tokens of prompt + output (reaching into the prompt early in a response).
+void tail_into(py::handle output, py::handle prompt, size_t n, std::vector<Tok>& ctx) {
   size_t lo = py_len(output);
   if (lo >= n) {
     read_tokens(output, lo - n, ctx);
-    return ctx;
+    return;
   }
   size_t lp = py_len(prompt), need = n - lo;
   read_tokens(prompt, lp > need ? lp - need : 0, ctx);
   read_tokens(output, 0, ctx);
+}
+
+std::vector<Tok> tail(py::handle output, py::handle prompt, size_t n) {
+  std::vector<Tok> ctx;
+  tail_into(output, prompt, n, ctx);
   return ctx;
 }
 
@@ -175,28 +179,38 @@ struct Matches {
   }
 };
 
-// Follow the heaviest child while the running probability stays >= min_prob. Per level: tally
-// the continuations' weights (first-seen order), then keep the winner's occurrences in place
-// (no allocation per level: this runs for every row, every decode step).
-std::pair<std::vector<Tok>, std::vector<double>> draft_path(const Matches& m, int max_len, double min_prob) {
-  std::vector<Tok> out;
-  std::vector<double> probs;
-  if (m.occ.size() == 1) {  // one occurrence: its sequence, while it lasts (p stays 1)
-    const Occ& o = m.occ[0];
+// Buffers reused across the rows of one batch call (no allocation per row once warm).
+struct Scratch {
+  std::vector<Tok> ctx;
+  std::vector<Occ> best, cand, cur;
+  std::vector<Tok> tokens;
+  std::vector<double> weight;
+};
+
+// Follow the heaviest child while the running probability stays >= min_prob, appending to
+// out / probs. Per level: tally the continuations' weights (first-seen order), then keep the
+// winner's occurrences in place.
+void draft_path_into(const std::vector<Occ>& occ, int max_len, double min_prob, Scratch& sc,
+                     std::vector<Tok>& out, std::vector<double>& probs) {
+  const size_t start = out.size();
+  auto drafted = [&] { return int(out.size() - start); };
+  if (occ.size() == 1) {  // one occurrence: its sequence, while it lasts (p stays 1)
+    const Occ& o = occ[0];
     const auto& s = o.idx->seqs[o.sid];
-    if (min_prob > 1.0) return {out, probs};
-    for (size_t q = size_t(o.pos); q < s.size() && int(out.size()) < max_len; ++q) {
+    if (min_prob > 1.0) return;
+    for (size_t q = size_t(o.pos); q < s.size() && drafted() < max_len; ++q) {
       out.push_back(s[q]);
       probs.push_back(1.0);
     }
-    return {out, probs};
+    return;
   }
-  std::vector<Occ> cur = m.occ;
-  std::vector<Tok> tokens;
-  std::vector<double> weight;
+  std::vector<Occ>& cur = sc.cur;
+  cur.assign(occ.begin(), occ.end());
+  std::vector<Tok>& tokens = sc.tokens;
+  std::vector<double>& weight = sc.weight;
   double p = 1.0;
-  while (int(out.size()) < max_len && !cur.empty()) {
-    const size_t depth = out.size();
+  while (drafted() < max_len && !cur.empty()) {
+    const size_t depth = size_t(drafted());
     tokens.clear();
     weight.clear();
     double total = 0.0;
@@ -235,6 +249,13 @@ std::pair<std::vector<Tok>, std::vector<double>> draft_path(const Matches& m, in
     }
     cur.resize(kept);
   }
+}
+
+std::pair<std::vector<Tok>, std::vector<double>> draft_path(const Matches& m, int max_len, double min_prob) {
+  Scratch sc;
+  std::vector<Tok> out;
+  std::vector<double> probs;
+  draft_path_into(m.occ, max_len, min_prob, sc, out, probs);
   return {out, probs};
 }
 
@@ -256,12 +277,12 @@ struct Worse {
 
 // Best-first tree: repeatedly add the candidate node of highest estimated probability. Every
 // candidate's occurrences live in one arena (no allocation per node).
-std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>> draft_tree(const Matches& m, int budget,
+std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>> draft_tree(const std::vector<Occ>& occ, int budget,
                                                                                int max_depth, double min_prob) {
   std::vector<Tok> tokens;
   std::vector<int> parents;
   std::vector<double> probs;
-  std::vector<Occ> arena(m.occ.begin(), m.occ.end());
+  std::vector<Occ> arena(occ.begin(), occ.end());
   std::priority_queue<Pending, std::vector<Pending>, Worse> heap;
   long counter = 0;
   std::vector<Tok> toks;
@@ -330,47 +351,52 @@ py::object match_one(const std::shared_ptr<Index>& idx, const std::vector<Tok>& 
 // the best match is shorter than pattern_max. Returns the winning source, or -1.
 struct CastCache {
   PyObject* handle = nullptr;
-  std::shared_ptr<Index> index;
+  Index* index = nullptr;
+  const Matches* matches = nullptr;
 };
 
 int longest_match(const std::vector<py::list>& per_source, const std::vector<bool>& merge,
-                  const std::vector<bool>& fallback, std::vector<CastCache>& casts, size_t row, py::handle output, py::handle prompt,
-                  int pattern_max, int pattern_min, Matches& best) {
-  int winner = -1;
+                  const std::vector<bool>& fallback, std::vector<CastCache>& casts, size_t row, py::handle output,
+                  py::handle prompt, int pattern_max, int pattern_min, Scratch& sc) {
+  // The indices stay alive through the call (the per-source lists hold them): raw pointers.
+  int winner = -1, best_match = 0;
   bool have_ctx = false;
-  std::vector<Tok> ctx;
+  sc.best.clear();
   for (size_t k = 0; k < per_source.size(); ++k) {
-    if (fallback[k] && winner >= 0 && best.match >= pattern_max) continue;
+    if (fallback[k] && winner >= 0 && best_match >= pattern_max) continue;
     py::handle h = PyList_GET_ITEM(per_source[k].ptr(), Py_ssize_t(row));
     if (h.is_none()) continue;
-    Matches found;
-    const Matches* c = nullptr;
     CastCache& cache = casts[k];
     if (h.ptr() != cache.handle) {  // rows of one prompt share an index: cast it once
       cache.handle = h.ptr();
-      cache.index = py::isinstance<Index>(h) ? h.cast<std::shared_ptr<Index>>() : nullptr;
+      cache.index = py::isinstance<Index>(h) ? h.cast<Index*>() : nullptr;
+      cache.matches = cache.index ? nullptr : &h.cast<const Matches&>();
     }
+    int m;
+    const std::vector<Occ>* occ;
     if (cache.index) {
       if (!have_ctx) {
-        ctx = tail(output, prompt, size_t(pattern_max));
+        sc.ctx.clear();
+        tail_into(output, prompt, size_t(pattern_max), sc.ctx);
         have_ctx = true;
       }
-      found.match = cache.index->match(ctx, pattern_max, pattern_min, found.occ);
-      if (found.occ.empty()) continue;
-      found.owners.push_back(cache.index);
-      c = &found;
+      sc.cand.clear();
+      m = cache.index->match(sc.ctx, pattern_max, pattern_min, sc.cand);
+      occ = &sc.cand;
     } else {
-      c = &h.cast<const Matches&>();
-      if (c->occ.empty()) continue;
+      m = cache.matches->match;
+      occ = &cache.matches->occ;
     }
-    if (winner < 0 || c->match > best.match) {
-      if (c == &found)
-        best = std::move(found);
+    if (occ->empty()) continue;
+    if (winner < 0 || m > best_match) {
+      if (occ == &sc.cand)
+        std::swap(sc.best, sc.cand);
       else
-        best = *c;
+        sc.best.assign(occ->begin(), occ->end());
+      best_match = m;
       winner = int(k);
-    } else if (c->match == best.match && merge[k] && merge[size_t(winner)]) {
-      best = best.pooled(*c);
+    } else if (m == best_match && merge[k] && merge[size_t(winner)]) {
+      sc.best.insert(sc.best.end(), occ->begin(), occ->end());
     }
   }
   return winner;
@@ -500,27 +526,34 @@ PYBIND11_MODULE(_suffix_core, mod) {
             for (const auto& l : per_source)
               if (size_t(l.size()) != rows) throw py::value_error("longest_match_drafts: a source's list is not one per row");
             std::vector<CastCache> casts(per_source.size());
+            Scratch sc;
             std::vector<int> winner(rows, -1);
-            std::vector<std::vector<Tok>> toks(rows);
-            std::vector<std::vector<int>> parents(rows);
-            std::vector<std::vector<double>> probs(rows);
+            std::vector<size_t> offset(rows + 1, 0);
+            std::vector<Tok> all_tok;  // every row's draft, one after another
+            std::vector<int> all_par;
+            std::vector<double> all_prob;
             const bool tree = tree_budget > 0;
             size_t width = 0;
             for (size_t i = 0; i < rows; ++i) {
+              offset[i] = all_tok.size();
               if (caps[i] <= 0) continue;
-              Matches best;
               int k = longest_match(per_source, merge, fallback, casts, i, outputs[i], prompts[i], pattern_max,
-                                    pattern_min, best);
+                                    pattern_min, sc);
               if (k < 0) continue;
-              if (tree)
-                std::tie(toks[i], parents[i], probs[i]) =
-                    draft_tree(best, std::min(tree_budget, std::max(caps[i], 1) * 2), caps[i], min_prob);
-              else
-                std::tie(toks[i], probs[i]) = draft_path(best, caps[i], min_prob);
-              if (toks[i].empty()) continue;
+              if (tree) {
+                auto [t, p, q] = draft_tree(sc.best, std::min(tree_budget, std::max(caps[i], 1) * 2), caps[i], min_prob);
+                all_tok.insert(all_tok.end(), t.begin(), t.end());
+                all_par.insert(all_par.end(), p.begin(), p.end());
+                all_prob.insert(all_prob.end(), q.begin(), q.end());
+              } else {
+                draft_path_into(sc.best, caps[i], min_prob, sc, all_tok, all_prob);
+              }
+              size_t n = all_tok.size() - offset[i];
+              if (n == 0) continue;
               winner[i] = k;
-              width = std::max(width, toks[i].size());
+              width = std::max(width, n);
             }
+            offset[rows] = all_tok.size();
             // One padded array per field for the whole batch: the engine scores it as it is.
             const auto W = py::ssize_t(width), R = py::ssize_t(rows);
             py::array_t<int64_t> src(R), len(R), tok({R, W}), par({R, W}), dep({R, W});
@@ -532,17 +565,17 @@ PYBIND11_MODULE(_suffix_core, mod) {
             auto d_ = dep.mutable_unchecked<2>();
             auto q_ = pr.mutable_unchecked<2>();
             for (py::ssize_t i = 0; i < R; ++i) {
-              const auto& t = toks[size_t(i)];
-              const py::ssize_t n = py::ssize_t(t.size());
+              const size_t o = offset[size_t(i)];
+              const py::ssize_t n = winner[size_t(i)] < 0 ? 0 : py::ssize_t(offset[size_t(i) + 1] - o);
               s_(i) = winner[size_t(i)];
-              l_(i) = winner[size_t(i)] < 0 ? 0 : n;
+              l_(i) = n;
               for (py::ssize_t j = 0; j < W; ++j) {
-                bool on = winner[size_t(i)] >= 0 && j < n;
-                t_(i, j) = on ? t[size_t(j)] : -1;
-                int parent = !on ? -1 : tree ? parents[size_t(i)][size_t(j)] : int(j) - 1;
+                bool on = j < n;
+                t_(i, j) = on ? all_tok[o + size_t(j)] : -1;
+                int parent = !on ? -1 : tree ? all_par[o + size_t(j)] : int(j) - 1;
                 p_(i, j) = parent;
                 d_(i, j) = !on ? 0 : parent < 0 ? 1 : d_(i, parent) + 1;
-                if (with_probs) q_(i, j) = on ? probs[size_t(i)][size_t(j)] : 0.0;
+                if (with_probs) q_(i, j) = on ? all_prob[o + size_t(j)] : 0.0;
               }
             }
             return py::make_tuple(src, len, tok, par, dep, with_probs ? py::object(pr) : py::object(py::none()));
@@ -570,7 +603,7 @@ PYBIND11_MODULE(_suffix_core, mod) {
               throw py::value_error("draft_trees: matches, budgets and caps differ in length");
             std::vector<std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>>> out;
             out.reserve(matches.size());
-            for (size_t i = 0; i < matches.size(); ++i) out.push_back(draft_tree(*matches[i], budgets[i], caps[i], min_prob));
+            for (size_t i = 0; i < matches.size(); ++i) out.push_back(draft_tree(matches[i]->occ, budgets[i], caps[i], min_prob));
             return out;
           }, py::arg("matches"), py::arg("budgets"), py::arg("caps"), py::arg("min_prob"),
           "Per row, (tokens, parents, probabilities) of a best-first tree of budgets[i] nodes, caps[i] deep.");
