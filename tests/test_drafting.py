@@ -192,7 +192,7 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     from rhymerl.drafting.gate import RealizedCost
 
     cost = CostModel({(b, t): 0.001 * b for b in (1, 16, 128) for t in (1, 2, 5)})
-    r = RealizedCost(decay=0.0, backoff=2, max_backoff=4, max_age=3)
+    r = RealizedCost(decay=0.0, backoff=2, max_backoff=4, max_age=3, margin=1.1, evidence=1)
     assert not r.needs_plain(16) and r.allows(16, 0)  # nothing measured: draft
     r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # 2.5 tokens a row for 3x the time: 1.2 per token
     assert r.needs_plain(16) and not r.needs_plain(128)  # drafting ran here, plain decoding never did
@@ -218,6 +218,14 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     back = RealizedCost()
     back.load(r.state())
     assert back.plain == r.plain and back.spec == r.spec
+    careful = RealizedCost(decay=0.0, evidence=2, margin=1.1)  # the defaults: one slow step holds nothing
+    careful.update(cost, 16, 16, 0.016, option=None)
+    careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
+    assert careful.allows(16, 0)
+    careful.update(cost, 16, 40, 0.016 * 2.65, option=0)  # 1.06 per token: within the margin
+    assert careful.allows(16, 0)
+    careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
+    assert not careful.allows(16, 0)
 
 
 def test_history_store_caps_and_persistence(tmp_path, caplog):

@@ -126,8 +126,8 @@ class RealizedCost:
     The gate's prediction (cost model x acceptance estimate) is least reliable where drafts
     are poor (a prompt's first epoch, a draft model whose forwards cost a real fraction of the
     target's), and "never slower than no speculation" is judged on measured time. So: where a
-    source set has just measured dearer per token than plain decoding, it is held off in that
-    bucket for ``backoff`` of its steps, the hold doubling each time it is confirmed (up to
+    source set has measured clearly dearer per token than plain decoding (``margin``, over at
+    least ``evidence`` steps), it is held off in that bucket for ``backoff`` of its steps, the hold doubling each time it is confirmed (up to
     ``max_backoff``) and reset when the set measures cheaper. A bucket where drafting runs but
     plain decoding was never measured (or not for ``max_age`` of its steps) takes one plain
     step to measure it. Holds outlast rollout steps (an exploring step is dear: at batch 128 a
@@ -135,8 +135,13 @@ class RealizedCost:
     changed (:meth:`lift`: a history source after new history was recorded); the next
     measurement of a lifted set replaces its old one. Plain costs are kept."""
 
-    def __init__(self, decay: float = 0.7, backoff: int = 8, max_backoff: int = 512, max_age: int = 64) -> None:
+    def __init__(self, decay: float = 0.7, backoff: int = 8, max_backoff: int = 128, max_age: int = 64,
+                 margin: float = 1.1, evidence: int = 2) -> None:
         self.decay, self.backoff0, self.max_backoff, self.max_age = decay, backoff, max_backoff, max_age
+        # Hold only on clear evidence: dearer by more than `margin`, over `evidence` measurements
+        # (one slow step on a shared machine must not switch off drafting that pays).
+        self.margin, self.evidence = margin, evidence
+        self._count: dict[tuple[int, int], int] = {}  # measurements since the set was (re)started
         self.plain: dict[int, float] = {}
         self.spec: dict[tuple[int, int], float] = {}
         self._age: dict[int, int] = {}  # steps in the bucket since plain decoding was measured there
@@ -151,6 +156,7 @@ class RealizedCost:
         for key in [k for k in self.spec if k[1] in options]:
             self._stale.add(key)
             self._backoff.pop(key, None)
+            self._count.pop(key, None)
 
     def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None) -> None:
         """One decode step's measurement; ``option`` is the source set that drafted (None: plain)."""
@@ -167,12 +173,14 @@ class RealizedCost:
         if key not in self.spec or key in self._stale:
             self.spec[key] = r
             self._stale.discard(key)
+            self._count[key] = 1
         else:
             self.spec[key] = self.decay * self.spec[key] + (1 - self.decay) * r
+            self._count[key] = self._count.get(key, 0) + 1
         plain = self.plain.get(b)
-        if plain is None:
+        if plain is None or self._count[key] < self.evidence:
             return
-        if self.spec[key] > plain:
+        if self.spec[key] > plain * self.margin:
             n = self._backoff.get(key, self.backoff0)
             self._hold[key] = n
             self._backoff[key] = min(self.max_backoff, 2 * n)
