@@ -34,6 +34,7 @@ from rhymerl.engine.draft import DraftBatch, DraftTree
 from rhymerl.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
@@ -115,7 +116,13 @@ class SpecController:
         self.cost_model: CostModel | None = None
         self.acceptance = AcceptanceEstimate()
         self.overhead = StepOverhead()
-        self.realized = RealizedCost()  # kept across rollout steps: it judges sources, not one batch
+        # Measured per-token cost of drafting against plain decoding (RealizedCost; kept across
+        # rollout steps). Sets that run a model are judged against any plain measurement (one is
+        # taken when missing: their exploring steps are dear); index-only sets only against plain
+        # steps of the last few in the bucket, where the gate is skipping anyway: a comparison
+        # with a stale one (this machine's speed moves by tens of percent) had switched HistoSpec
+        # off where it paid.
+        self.realized = RealizedCost()
         self._option = 0  # which of _source_sets drafted this step
         self._store_version = getattr(store, "version", None)
         self._emitted = 0  # tokens the last decode step emitted
@@ -127,6 +134,7 @@ class SpecController:
         self.draft_cost: dict[tuple[int, str], float] = {}
         cheap = [s for s in sources if not s.runs_a_model]
         self._source_sets = [sources] + ([cheap] if cheap and len(cheap) < len(sources) else [])
+        self._guarded = [any(src.runs_a_model for src in option) for option in self._source_sets]
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
         # This step's batch, its drafts and each drafted row's (source, node probabilities): what
         # observe() reads for the rows verification scored (the engine passes the same list).
@@ -176,7 +184,7 @@ class SpecController:
         sources, k_pre = self.sources, self.cap
         self._option = 0
         if cfg.gate:
-            if self.realized.needs_plain(B):
+            if any(self._guarded) and self.realized.needs_plain(B):
                 return None  # one plain step, to measure what drafting is compared with
             full = {round(self.cap * self._fill): B}
             for n, option in enumerate(self._source_sets):
@@ -350,8 +358,10 @@ class SpecController:
                 s.build_s = 0.0
         if self.cost_model is not None:
             # Index building is a one-off, amortised over the rollout; drafting is this step's cost.
+            drafted = self._draft_s > 0
             self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build),
-                                 self._option if self._draft_s > 0 else None)
+                                 self._option if drafted else None,
+                                 None if drafted and self._guarded[self._option] else FRESH_PLAIN)
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)

@@ -158,8 +158,11 @@ class RealizedCost:
             self._backoff.pop(key, None)
             self._count.pop(key, None)
 
-    def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None) -> None:
-        """One decode step's measurement; ``option`` is the source set that drafted (None: plain)."""
+    def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None,
+               fresh: int | None = None) -> None:
+        """One decode step's measurement; ``option`` is the source set that drafted (None: plain).
+        With ``fresh``, the set is judged only against plain decoding measured in the bucket
+        within its last ``fresh`` steps (like with like, before the machine's speed moves)."""
         if emitted <= 0:
             return
         r = seconds / cost.cost(B, 1) * B / emitted
@@ -178,7 +181,7 @@ class RealizedCost:
             self.spec[key] = self.decay * self.spec[key] + (1 - self.decay) * r
             self._count[key] = self._count.get(key, 0) + 1
         plain = self.plain.get(b)
-        if plain is None or self._count[key] < self.evidence:
+        if plain is None or self._count[key] < self.evidence or (fresh is not None and self._age[b] > fresh):
             return
         if self.spec[key] > plain * self.margin:
             n = self._backoff.get(key, self.backoff0)
