@@ -27,8 +27,9 @@ class Candidate:
 
     Index sources fill ``occurrences`` (where the longest suffix of the context they matched,
     ``match`` tokens long, occurs; ``Matches.of_tokens`` wraps continuations a source picked
-    itself); model sources fill ``tree`` and ``probs`` (each node's probability under the
-    drafter, its parents' included)."""
+    itself; the controller ranks by the matches' own ``match``, which ``match`` mirrors);
+    model sources fill ``tree`` and ``probs`` (each node's probability under the drafter, its
+    parents' included)."""
 
     source: str
     match: int = 0
