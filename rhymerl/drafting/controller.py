@@ -35,6 +35,7 @@ from rhymerl.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
+MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
@@ -359,9 +360,10 @@ class SpecController:
         if self.cost_model is not None:
             # Index building is a one-off, amortised over the rollout; drafting is this step's cost.
             drafted = self._draft_s > 0
+            dear = drafted and self._guarded[self._option]  # a model's tries: judged at once, held longer
             self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build),
-                                 self._option if drafted else None,
-                                 None if drafted and self._guarded[self._option] else FRESH_PLAIN)
+                                 self._option if drafted else None, fresh=None if dear else FRESH_PLAIN,
+                                 evidence=1 if dear else None, backoff=MODEL_BACKOFF if dear else None)
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)

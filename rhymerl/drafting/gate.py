@@ -159,10 +159,12 @@ class RealizedCost:
             self._count.pop(key, None)
 
     def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None,
-               fresh: int | None = None) -> None:
+               fresh: int | None = None, evidence: int | None = None, backoff: int | None = None) -> None:
         """One decode step's measurement; ``option`` is the source set that drafted (None: plain).
         With ``fresh``, the set is judged only against plain decoding measured in the bucket
-        within its last ``fresh`` steps (like with like, before the machine's speed moves)."""
+        within its last ``fresh`` steps (like with like, before the machine's speed moves);
+        ``evidence`` and ``backoff`` override the defaults for this set (a set whose tries are
+        dear is held on one and for longer)."""
         if emitted <= 0:
             return
         r = seconds / cost.cost(B, 1) * B / emitted
@@ -181,14 +183,15 @@ class RealizedCost:
             self.spec[key] = self.decay * self.spec[key] + (1 - self.decay) * r
             self._count[key] = self._count.get(key, 0) + 1
         plain = self.plain.get(b)
-        if plain is None or self._count[key] < self.evidence or (fresh is not None and self._age[b] > fresh):
+        if plain is None or self._count[key] < (evidence or self.evidence) or \
+                (fresh is not None and self._age[b] > fresh):
             return
         if self.spec[key] > plain * self.margin:
-            n = self._backoff.get(key, self.backoff0)
+            n = self._backoff.get(key, backoff or self.backoff0)
             self._hold[key] = n
             self._backoff[key] = min(self.max_backoff, 2 * n)
         else:
-            self._backoff[key] = self.backoff0
+            self._backoff[key] = backoff or self.backoff0
 
     def needs_plain(self, B: int) -> bool:
         """Whether this step should decode plainly to measure plain decoding in its bucket."""
