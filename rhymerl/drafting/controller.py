@@ -196,7 +196,7 @@ class SpecController:
                     sources, self._option = option, n
                     break
             else:
-                return self._skip(bucket, B)
+                return self._skip(bucket)
         t0 = time.perf_counter()
         cap = min(self.cap, k_pre)
         caps = [max(0, min(s.draft_len or 2, cap, s.limit - len(s.output_ids) - 1)) for s in seqs]
@@ -218,7 +218,7 @@ class SpecController:
         self._pending = (seqs, batch, names, probs)
         return batch
 
-    def _skip(self, bucket: int, B: int) -> None:
+    def _skip(self, bucket: int) -> None:
         """No drafts this step. Drift back (fuller drafts, cheaper drafting), so that skipping
         is not permanent: a cost measured once, when drafting was slow, must not switch it off
         for good."""
