@@ -80,7 +80,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     elif ns.which == "pipe":
         from rhymerl.bench.pipe import run
 
-        run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation)
+        run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation,
+            measured=not ns.simulated_only)
     elif ns.which == "train":
         from rhymerl.bench.train import run
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.add_argument("--no-speculation", action="store_true",
                    help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")
+    b.add_argument("--simulated-only", action="store_true",
+                   help="pipe: the simulated table alone (no local runs; the built-in task's rows need its traces)")
     b.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="train: where the trainer ranks run (local processes or Ray actors)")
     b.set_defaults(fn=cmd_bench)

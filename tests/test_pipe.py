@@ -15,7 +15,7 @@ from rhymerl.model import save_pretrained
 from rhymerl.scheduling import StepCost, make_plan, predict_lengths, simulate, spearman
 from rhymerl.scheduling.length_predictor import log_error_sigma
 from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous
-from rhymerl.scheduling.planner import PLACEMENTS, Plan, WorkUnit, estimate_s
+from rhymerl.scheduling.planner import PLACEMENTS, POLICIES, Plan, WorkUnit, estimate_s
 
 FLAT = StepCost((1, 64), (1.0, 1.0), 0.0, "flat")  # every step 1 s, whatever the batch
 LINEAR = StepCost((1, 65), (0.01, 0.65), 0.0, "linear")  # 10 ms per sequence
@@ -82,13 +82,28 @@ def test_every_plan_places_every_sample_once(R):
         for step in (1, 2):
             lengths = [rng.integers(1, 60, size=int(rng.integers(1, 6))).astype(float).tolist() for _ in range(23)]
             want = [(p, s) for p in range(23) for s in range(len(lengths[p]))]
-            for policy in ("even", "least_loaded", "histopipe", "oracle"):
+            for policy in POLICIES:
                 for placement in PLACEMENTS:
                     plan = make_plan(policy, lengths, R, cost=cost, max_num_seqs=8, step=step, prompt_len=5,
                                      placement=placement)
                     assert len(plan.workers) == R
                     got = sorted((u.prompt, s) for w in plan.workers for u in w for s in u.samples)
                     assert got == want, (policy, placement)
+
+
+def test_the_prompt_oracle_knows_prompts_not_siblings():
+    # Its plan is a function of each prompt's lengths as a multiset: dealing them to the
+    # siblings in another order changes nothing, while the oracle's plan follows the siblings.
+    rng = np.random.default_rng(0)
+    lengths = [rng.lognormal(np.log(rng.uniform(20, 400)), 0.5, size=8).tolist() for _ in range(40)]
+    shuffled = [rng.permutation(x).tolist() for x in lengths]
+
+    def placed(policy: str, lens: list[list[float]]) -> list[list[tuple[int, tuple[int, ...]]]]:
+        plan = make_plan(policy, lens, 6, cost=LINEAR, max_num_seqs=16, prompt_len=5, placement="contiguous")
+        return [[(u.prompt, u.samples) for u in w] for w in plan.workers]
+
+    assert placed("prompt_oracle", lengths) == placed("prompt_oracle", shuffled)
+    assert placed("oracle", lengths) != placed("oracle", shuffled)
 
 
 def test_group_time_prices_the_spread_of_a_group():

@@ -1,4 +1,4 @@
-"""``rhymerl bench pipe``: HistoPipe against even split, least-loaded routing and an oracle.
+"""``rhymerl bench pipe``: HistoPipe against even split, least-loaded routing and two oracles.
 
 Two tables from one invocation:
 
@@ -8,7 +8,9 @@ Two tables from one invocation:
   weights (so the same tokens, checked), the policies timed in turn, step by step;
 - simulated: the discrete-event simulator at 256 and 1,024 workers (16 prompts x 16 samples
   per worker), on our recorded length traces and on synthetic long-tailed ones, with the
-  worker cost curve profiled here and with a GPU-shaped one.
+  worker cost curve profiled here and with a GPU-shaped one. Beside the oracle (every
+  sample's true length), ``prompt_oracle`` plans from each prompt's true lengths without
+  knowing which sibling is which: how close any prediction per prompt can come.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rhymerl.bench.common import print_table, write_report
-from rhymerl.scheduling import GPU_8B_H100, POLICIES, StepCost, make_plan, simulate, spearman
+from rhymerl.scheduling import GPU_8B_H100, ORACLES, POLICIES, StepCost, make_plan, simulate, spearman
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
 
 N_SAMPLES = 8  # the default recipe's group size
@@ -132,7 +134,7 @@ def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float
             res = {}
             for policy in POLICIES:
                 t = time.perf_counter()
-                plan = make_plan(policy, true if policy == "oracle" else guess, R, cost=cost, max_num_seqs=256,
+                plan = make_plan(policy, true if policy in ORACLES else guess, R, cost=cost, max_num_seqs=256,
                                  prompt_len=prompt_len, error_sigma=err, max_tokens=max_tokens * scale)
                 plan_s = time.perf_counter() - t
                 r = simulate(plan, true, int(prompt_len), cost, max_num_seqs=256)
@@ -146,6 +148,7 @@ def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float
             for row in rows[-len(POLICIES):]:
                 row["vs_even"] = res["even"].makespan_s / row["makespan_s"]
                 row["vs_oracle"] = row["makespan_s"] / res["oracle"].makespan_s
+                row["vs_prompt_oracle"] = row["makespan_s"] / res["prompt_oracle"].makespan_s
                 row["vs_least_loaded"] = row["makespan_s"] / res["least_loaded"].makespan_s
             print(f"  simulated {source:>12} R={R:5d}: " + ", ".join(
                 f"{p} {res[p].makespan_s:.1f}s/{res[p].bubble_fraction:.2f}" for p in POLICIES), flush=True)
@@ -365,17 +368,21 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
 
 
 def run(json_path: str | None = None, *, quick: bool = False, traces: str | None = None,
-        speculation: bool = True) -> dict:
+        speculation: bool = True, measured: bool = True) -> dict:
+    """Both tables; ``measured=False``: the simulated one alone (on the main job's traces if any)."""
     from rhymerl.bench.spec import _default_model
+    from rhymerl.config import load_config
 
-    model = _default_model()
-    print(f"model: {model}")
-    counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 3)
-    rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps,
-                                      modes=(False, True) if speculation else (False,))
+    rows: list[dict] = []
+    bench_pairs: tuple[list, float] = ([], 0.0)
+    if measured:
+        model = _default_model()
+        print(f"model: {model}")
+        counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 3)
+        rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps,
+                                          modes=(False, True) if speculation else (False,))
     trace_path = Path(traces) if traces else None
     if trace_path is None:
-        from rhymerl.config import load_config
         from rhymerl.training.rl import run_dir_for
 
         cand = run_dir_for(load_config()) / "traces.jsonl"
@@ -384,22 +391,22 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     source = f"recorded ({trace_path})" if pairs else "this bench's two epochs"
     if not pairs:
         pairs, prompt_len = bench_pairs
-    corrs = stat_correlations(pairs)
-    corr = corrs["mean"]
-    print(f"length traces: {source}: {len(pairs)} (previous, next) epoch pairs; rank correlation of each "
-          f"statistic of the previous epoch's lengths with the next epoch's mean length: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in corrs.items()))
-    cpu = profiled_cost(model, 1)
-    from rhymerl.config import load_config
-
-    arith_max = float(load_config().rollout.max_tokens)
+    sources: dict[str, tuple] = {}
+    corrs: dict[str, float] = {}
+    if pairs:
+        corrs = stat_correlations(pairs)
+        print(f"length traces: {source}: {len(pairs)} (previous, next) epoch pairs; rank correlation of each "
+              f"statistic of the previous epoch's lengths with the next epoch's mean length: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in corrs.items()))
+        cpu = profiled_cost(_default_model(), 1)
+        arith_max = float(load_config().rollout.max_tokens)
+        sources["arith_trace"] = (pairs, 1.0, cpu, prompt_len, arith_max)
+        sources["arith_trace_x64"] = (pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0, arith_max)
+    else:
+        print("no length traces of the built-in task (no main-job run, no measured steps): its rows are skipped")
     rng = np.random.default_rng(1)
-    sources = {
-        "arith_trace": (pairs, 1.0, cpu, prompt_len, arith_max),
-        "arith_trace_x64": (pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0, arith_max),
-        **{kind: (synthetic_pairs(kind, 4096, 16, rng), 1.0, GPU_8B_H100, 256.0, float(MAX_TOKENS))
-           for kind in SYNTHETIC},
-    }
+    sources.update({kind: (synthetic_pairs(kind, 4096, 16, rng), 1.0, GPU_8B_H100, 256.0, float(MAX_TOKENS))
+                    for kind in SYNTHETIC})
     for kind in SYNTHETIC:
         print(f"trace {kind}: {rank_change_fraction(sources[kind][0]):.1%} of prompts change length rank by more "
               f"than 20 % of the prompts between epochs (RhymeRL reports 2-4 %)")
@@ -407,9 +414,9 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
     print()
     print_table(rows, ["source", "trace", "workers", "speculation", "policy", "makespan_s", "bubble_fraction",
-                       "core_utilisation", "vs_even", "vs_oracle", "vs_least_loaded", "tail_share", "plan_s",
-                       "simulated_s", "sim_error", "moved", "migrations", "steals"])
-    return write_report(rows, json_path, {"length_rank_correlation": corr,
+                       "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
+                       "tail_share", "plan_s", "simulated_s", "sim_error", "moved", "migrations", "steals"])
+    return write_report(rows, json_path, {"length_rank_correlation": corrs.get("mean"),
                                            "length_rank_correlation_by_stat": corrs})
 
 

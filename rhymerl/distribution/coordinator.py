@@ -23,7 +23,7 @@ from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.scheduling import StepCost, make_plan
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
-from rhymerl.scheduling.planner import Plan
+from rhymerl.scheduling.planner import ORACLES, Plan
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,9 @@ class RolloutCoordinator:
         policy = policy or self.policy
         alive = self.pool.alive()
         n = [r.params.n for r in requests]  # a request continuing some samples is planned whole: an overestimate
-        if policy == "oracle":
+        if policy in ORACLES:
             if true_lengths is None:
-                raise ValueError("the oracle policy needs the true lengths")
+                raise ValueError(f"the {policy} policy needs the true lengths")
             lengths: list[list[float]] = [list(map(float, x)) for x in true_lengths]
         else:
             hist = [self.history.lengths(r.prompt_key) if self.history is not None and r.prompt_key else []
@@ -119,7 +119,7 @@ class RolloutCoordinator:
                          prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0,
                          error_sigma=self.length_error_sigma,
                          max_tokens=max((r.params.max_tokens for r in requests), default=None))
-        if policy != "oracle":
+        if policy not in ORACLES:
             plan.known = np.array([len(h) > 0 for h in hist], dtype=bool)
         return plan
 

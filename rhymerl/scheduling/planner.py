@@ -17,6 +17,9 @@ Policies (all keep the step's barrier: nothing here is off-policy):
   prediction's error; groups
   placed on workers in complementary order across steps (odd steps group 0 on worker 0,
   even steps reversed), each worker's queue longest first; at run time, tail migration.
+- ``prompt_oracle``: HistoPipe's plan from each prompt's true lengths with the siblings'
+  identities dropped (a prompt's samples are exchangeable): the best any prediction per prompt
+  can do, a bound for placements that know prompts but not which sibling runs long.
 - ``oracle``: the same plan from the true lengths (a bound no real run can have).
 """
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 from rhymerl.scheduling.cost import StepCost
 from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous, smallest_budget
 
-POLICIES = ("even", "least_loaded", "histopipe", "oracle")
+POLICIES = ("even", "least_loaded", "histopipe", "prompt_oracle", "oracle")
+ORACLES = ("prompt_oracle", "oracle")  # planned from the true lengths
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         policy: one of :data:`POLICIES`.
         lengths: per prompt, per sample: the lengths the policy may use. ``histopipe`` gets
             predictions (the prompt's previous lengths, as a distribution of n values),
-            ``oracle`` the true lengths; ``even`` and ``least_loaded`` only use the shape.
+            ``oracle`` and ``prompt_oracle`` the true lengths; ``even`` and ``least_loaded``
+            only use the shape.
         num_workers: R.
         cost: the workers' step-time curve (allocation uses it).
         max_num_seqs: slots per worker.
@@ -190,6 +195,11 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         raise ValueError(f"scheduling policy {policy!r} is not one of {POLICIES}")
     R = num_workers
     lens = [list(map(float, x)) for x in lengths]
+    if policy == "prompt_oracle":  # which sibling is which is what no prediction per prompt can know
+        lens = [sorted(x, reverse=True) for x in lens]
+        policy_error = 0.0
+    else:
+        policy_error = error_sigma if policy == "histopipe" else 0.0
     P = len(lens)
     if policy == "even":
         work: list[list[tuple[int, int]]] = [[] for _ in range(R)]
@@ -210,8 +220,8 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     # What "past its prediction" means at run time (tail migration): the prompt's typical
     # length. Its largest previous length started moves later than the drained tail pays for.
     predicted = np.array([float(np.mean(x)) if x else 0.0 for x in lens])
-    tail_moves = migrate and policy == "histopipe"
-    dists = LengthDists.from_samples(lens, error_sigma if policy == "histopipe" else 0.0, max_tokens)
+    tail_moves = migrate and policy in ("histopipe", "prompt_oracle")
+    dists = LengthDists.from_samples(lens, policy_error, max_tokens)
     candidates = {
         "lpt": lambda: _lpt(lens, R, cost, max_num_seqs, prompt_len),
         "contiguous": lambda: _contiguous(lens, R, cost, max_num_seqs, prompt_len),
@@ -231,7 +241,12 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         from rhymerl.scheduling.simulator import simulate
 
         rng = np.random.default_rng(step)
-        judged = [lens] if policy == "oracle" else [dists.draw([len(x) for x in lens], rng) for _ in range(2)]
+        if policy == "oracle":
+            judged = [lens]
+        elif policy == "prompt_oracle":  # the true lengths, dealt to the siblings at random
+            judged = [[rng.permutation(x).tolist() for x in lens] for _ in range(2)]
+        else:
+            judged = [dists.draw([len(x) for x in lens], rng) for _ in range(2)]
         names = ("lpt", "contiguous") if policy == "oracle" else tuple(candidates)
 
         def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
