@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rhymerl.engine import LLM, RequestOutput, SamplingParams
+    from rhymerl.engine import RequestOutput, SamplingParams
+    from rhymerl.llm import LLM
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
@@ -12,6 +13,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that light processes (the reward pool's) import a submodule without torch.
+    if name == "LLM":
+        from rhymerl.llm import LLM
+
+        return LLM
     if name in __all__:
         from rhymerl import engine
 

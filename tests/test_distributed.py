@@ -11,7 +11,7 @@ import pytest
 
 from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
-from rhymerl.training.parallel import balance_by_tokens
+from rhymerl.training.token_balance import balance_by_tokens
 
 from tests.conftest import kill_and_resume, learning_metrics, rl_overrides
 
@@ -118,7 +118,7 @@ def test_two_ranks_on_ray(base_model, tmp_path):
 
 def _group(tmp_path: Path, timeout_s: float):
     from rhymerl.bench.train import bench_model, synthetic_batch
-    from rhymerl.distribution.trainer_group import TrainerGroup
+    from rhymerl.training.trainer_group import TrainerGroup
     from rhymerl.model import load_pretrained
 
     path = bench_model(tmp_path / "policy", vocab=64)
@@ -130,7 +130,7 @@ def _group(tmp_path: Path, timeout_s: float):
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_a_rank_that_dies_or_hangs_stops_the_run_in_bounded_time(tmp_path, fault):
-    from rhymerl.distribution.trainer_group import TrainerRankError
+    from rhymerl.training.trainer_group import TrainerRankError
 
     group, exp = _group(tmp_path, timeout_s=4.0)
     try:

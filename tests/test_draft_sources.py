@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import SamplingParams
+from rhymerl.llm import LLM
 from rhymerl.model import save_pretrained
 
 from tests.conftest import tiny_model

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from rhymerl.config import load_config
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import SamplingParams
+from rhymerl.llm import LLM
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 

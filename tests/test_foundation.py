@@ -146,3 +146,46 @@ def test_sft_is_seeded_and_writes_hf_folder(tmp_path):
     x = torch.tensor([tok.encode("Q:1+2\n", add_special_tokens=False)])
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max() < 1e-4
+
+
+def _runtime_imports(tree) -> set[str]:
+    """The ``rhymerl`` modules a module's code imports (lazily too), ``if TYPE_CHECKING:``
+    blocks aside (annotations only, never run)."""
+    import ast
+
+    out: set[str] = set()
+
+    def visit(node) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rhymerl"):
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("rhymerl"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def test_no_two_modules_import_each_other():
+    # The architecture's one rule a test can hold: data flows one way, so no module imports a
+    # module that imports it back (not even lazily, the usual way such a cycle hides).
+    import ast
+    from pathlib import Path
+
+    import rhymerl
+
+    root = Path(rhymerl.__file__).parent
+    names = {}
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    imports = {m: {x for x in _runtime_imports(ast.parse(p.read_text())) if x in names and x != m}
+               for m, p in names.items()}
+    mutual = sorted({tuple(sorted((a, b))) for a, deps in imports.items() for b in deps if a in imports[b]})
+    assert not mutual, mutual

@@ -176,7 +176,7 @@ def test_a_batch_never_holds_one_prompt_twice():
 
 
 def test_heldout_samples_are_seeded_per_prompt():
-    from rhymerl.engine import LLM
+    from rhymerl.llm import LLM
     from rhymerl.rewards import RewardRegistry
     from rhymerl.training.evaluate import evaluate
 
@@ -294,7 +294,8 @@ def test_drafts_come_from_the_previous_epoch_through_the_worker_path():
 
 def test_long_generation_keeps_engine_stats_and_drafter_cache_flat():
     from rhymerl.drafting import HistoryStore, build_proposer
-    from rhymerl.engine import LLM, SamplingParams
+    from rhymerl.engine import SamplingParams
+    from rhymerl.llm import LLM
 
     store = HistoryStore(max_rollouts=1, max_total_tokens=400)  # evicts: at most a few prompts fit
     drafter = build_proposer({"method": "history"}, store)
@@ -313,7 +314,8 @@ def test_long_generation_keeps_engine_stats_and_drafter_cache_flat():
 
 
 def test_trainer_logprobs_follow_top_p_and_top_k():
-    from rhymerl.engine import LLM, SamplingParams
+    from rhymerl.engine import SamplingParams
+    from rhymerl.llm import LLM
     from rhymerl.training.trainer import Experience, PolicyTrainer
 
     cfg = load_config(None, ["rollout.temperature=1.0", "rollout.top_p=0.9", "rollout.top_k=8",

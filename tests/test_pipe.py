@@ -10,12 +10,14 @@ from conftest import tiny_model
 
 from rhymerl.distribution import InprocPool, RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
 from rhymerl.drafting import HistoryStore
-from rhymerl.engine import LLM, RequestOutput, SamplingParams
+from rhymerl.engine import RequestOutput, SamplingParams
+from rhymerl.llm import LLM
 from rhymerl.model import save_pretrained
 from rhymerl.scheduling import StepCost, make_plan, predict_lengths, simulate, spearman
 from rhymerl.scheduling.length_predictor import log_error_sigma
 from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous
-from rhymerl.scheduling.planner import PLACEMENTS, POLICIES, Plan, WorkUnit, estimate_s
+from rhymerl.scheduling.plan import Plan, WorkUnit
+from rhymerl.scheduling.planner import PLACEMENTS, POLICIES, estimate_s
 
 FLAT = StepCost((1, 64), (1.0, 1.0), 0.0, "flat")  # every step 1 s, whatever the batch
 LINEAR = StepCost((1, 65), (0.01, 0.65), 0.0, "linear")  # 10 ms per sequence

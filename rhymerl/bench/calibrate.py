@@ -30,7 +30,8 @@ def _engine_loop(model: str, threads: int, batch: int, conn: Any) -> None:
     (start, end) on the system's monotonic clock, from the parent's "go" until its "stop"."""
     import torch
 
-    from rhymerl.engine import LLM, SamplingParams
+    from rhymerl.engine import SamplingParams
+    from rhymerl.llm import LLM
 
     torch.set_num_threads(threads)
     llm = LLM(model, max_num_seqs=batch, max_model_len=_PROMPT_LEN + _TOKENS + 8)
@@ -124,7 +125,8 @@ def engine_beside_trainer(model: str, threads: int, batch: int, train: Callable[
 def history_draft_s_per_row(model: str, prompts: list[list[int]], params: RolloutSection) -> float:
     """The history drafter's own seconds per decode row, on a third epoch of ``prompts`` (two
     earlier epochs recorded as its history)."""
-    from rhymerl.engine import LLM, SamplingParams
+    from rhymerl.engine import SamplingParams
+    from rhymerl.llm import LLM
 
     llm = LLM(model, max_num_seqs=len(prompts) * params.n, max_model_len=params.max_model_len,
               speculative={"method": "history"})
@@ -176,7 +178,8 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     import torch
 
     from rhymerl.data.splits import task_splits
-    from rhymerl.engine import LLM, SamplingParams
+    from rhymerl.engine import SamplingParams
+    from rhymerl.llm import LLM
     from rhymerl.model import load_pretrained
     from rhymerl.scheduling import StepCost
     from rhymerl.scheduling.step_model import LocalCosts

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from rhymerl.bench.common import print_table, write_report
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import SamplingParams
+from rhymerl.llm import LLM
 from rhymerl.model import CausalLM, ModelConfig, save_pretrained
 
 MODELS = {

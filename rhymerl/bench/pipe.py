@@ -197,7 +197,7 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int,
     ``cores``. This folds in what the curve and the core sharing cannot see: the coordinator's
     round trips, and processes contending for more than cores (memory, caches).
     Returns (factor, slowdown of all-at-once against worker 0 alone)."""
-    from rhymerl.scheduling.planner import Plan, WorkUnit
+    from rhymerl.scheduling.plan import Plan, WorkUnit
 
     units = [WorkUnit(i, tuple(range(q.params.n))) for i, q in enumerate(probe)]
     alone = Plan("even", [units] + [[] for _ in range(R - 1)])

@@ -20,7 +20,8 @@ import numpy as np
 
 from rhymerl.bench.common import print_table, write_report
 from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import SamplingParams
+from rhymerl.llm import LLM
 
 
 def _default_model() -> str:

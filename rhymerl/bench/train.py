@@ -75,7 +75,7 @@ def measure(model_path: Path, exp: Any, world_size: int, strategy: str, override
             reference: dict[str, torch.Tensor], repeats: int = 5, backend: str = "local") -> dict[str, Any]:
     """One row: a trainer group of ``world_size`` ranks on ``exp``."""
     from rhymerl.config import load_config
-    from rhymerl.distribution.trainer_group import TrainerGroup
+    from rhymerl.training.trainer_group import TrainerGroup
     from rhymerl.model import load_pretrained
 
     cfg = load_config(None, overrides + [f"trainer.world_size={world_size}", f"trainer.strategy={strategy}",

@@ -23,7 +23,8 @@ from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.scheduling import StepCost, make_plan
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
-from rhymerl.scheduling.planner import ORACLES, Plan
+from rhymerl.scheduling.plan import Plan
+from rhymerl.scheduling.planner import ORACLES
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ class RolloutWorker:
     """Runs work items on its engine; the same class backs the in-process, process and Ray workers."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from rhymerl.engine import LLM
+        from rhymerl.llm import LLM
 
         if spec.threads > 0:  # 0: an in-process worker keeps the caller's threads
             torch.set_num_threads(spec.threads)

@@ -4,7 +4,8 @@ Everything here is a plain function of lengths and a cost curve, so the simulato
 real coordinator use the same code."""
 from rhymerl.scheduling.cost import GPU_8B_H100, StepCost
 from rhymerl.scheduling.length_predictor import predict_lengths, spearman
-from rhymerl.scheduling.planner import ORACLES, POLICIES, Plan, WorkUnit, make_plan
+from rhymerl.scheduling.plan import Plan, WorkUnit
+from rhymerl.scheduling.planner import ORACLES, POLICIES, make_plan
 from rhymerl.scheduling.simulator import SimResult, simulate
 
 __all__ = ["GPU_8B_H100", "ORACLES", "POLICIES", "Plan", "SimResult", "StepCost", "WorkUnit", "make_plan",

@@ -89,7 +89,8 @@ class StepCost:
         the best of three calls, or with ``typical`` their median (what a run's steps cost on a
         machine whose speed varies, rather than its best case).
         """
-        from rhymerl.engine import LLM, SamplingParams
+        from rhymerl.engine import SamplingParams
+        from rhymerl.llm import LLM
 
         llm = LLM(model, max_num_seqs=max(batches), max_model_len=prompt_len + tokens + 8, device=device)
         vocab = llm.model.config.vocab_size

@@ -24,35 +24,15 @@ Policies (all keep the step's barrier: nothing here is off-policy):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from rhymerl.scheduling.cost import StepCost
 from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous, smallest_budget
+from rhymerl.scheduling.plan import Plan, WorkUnit
+from rhymerl.scheduling.simulator import simulate
 
 POLICIES = ("even", "least_loaded", "histopipe", "prompt_oracle", "oracle")
 ORACLES = ("prompt_oracle", "oracle")  # planned from the true lengths
-
-
-@dataclass(frozen=True)
-class WorkUnit:
-    """Some samples of one prompt of the step, run together on one worker."""
-
-    prompt: int
-    samples: tuple[int, ...]
-
-
-@dataclass
-class Plan:
-    policy: str
-    workers: list[list[WorkUnit]]  # per worker, in submission order
-    migrate: bool = False  # move tail requests to idle workers at run time
-    predicted: np.ndarray | None = field(default=None, repr=False)  # per prompt, what the plan assumed
-    known: np.ndarray | None = field(default=None, repr=False)  # per prompt: predicted from its own history
-
-    def samples_per_worker(self) -> list[int]:
-        return [sum(len(u.samples) for u in w) for w in self.workers]
 
 
 def _merge(units: list[tuple[int, int]]) -> list[WorkUnit]:
@@ -178,7 +158,7 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         max_num_seqs: slots per worker.
         step: the RL step (complementary order alternates on it).
         complementary: odd steps place the longest group on worker 0, even steps on worker R-1.
-        migrate: tail migration at run time (histopipe only).
+        migrate: tail migration at run time (histopipe and prompt_oracle).
         prompt_len: mean prompt tokens (prefill cost in the estimates).
         placement: ``lpt`` (prompts, longest predicted work first, each to the worker whose
             estimate is lowest: long and short work mix), ``contiguous`` (the paper's
@@ -238,8 +218,6 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         # 1,024 workers), and on lengths drawn with the prediction's measured error rather
         # than on the point predictions: judged on those, the placement that trusts them most
         # always looks best. The oracle knows the lengths and is judged on them.
-        from rhymerl.scheduling.simulator import simulate
-
         rng = np.random.default_rng(step)
         if policy == "oracle":
             judged = [lens]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rhymerl.scheduling.cost import StepCost
-from rhymerl.scheduling.planner import Plan
+from rhymerl.scheduling.plan import Plan
 
 
 @dataclass

@@ -8,7 +8,8 @@ from typing import Protocol
 import numpy as np
 
 from rhymerl.data import PromptRow
-from rhymerl.engine import LLM, SamplingParams
+from rhymerl.engine import SamplingParams
+from rhymerl.llm import LLM
 from rhymerl.rewards import RewardCall, RewardResult
 
 

@@ -1,44 +1,28 @@
-"""Data-parallel training, one rank's side: the strategies that wrap a rank's model, the
-token-balanced split of a batch, and :class:`TrainerRank`, what runs in each rank's process.
+"""Data-parallel training, one rank's side: the strategies that wrap a rank's model and
+:class:`TrainerRank`, what runs in each rank's process (the batch's split is
+:mod:`rhymerl.training.token_balance`).
 
 The controller's side (starting the ranks, calling them, failing fast) is
-``rhymerl.distribution.trainer_group``. A rank never calls back into the controller.
+``rhymerl.training.trainer_group``. A rank never calls back into the controller.
 """
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import os
 import resource
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 from torch import nn
 
-from rhymerl.config import AlgorithmSection, TrainerSection
+if TYPE_CHECKING:  # config types only: the config module reads this one's STRATEGIES
+    from rhymerl.config import AlgorithmSection, TrainerSection
 
 log = logging.getLogger(__name__)
-
-
-def balance_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Positions ``0..len(lengths)-1`` split into ``parts`` lists of near-equal token sums.
-
-    Longest first to the lightest part (ties: fewer sequences, then lower rank), as verl's
-    ``balance_batch`` evens out the ranks' work; each list is in increasing order. A function
-    of ``lengths`` alone, so every rank computes every rank's part without talking.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    heap = [(0, 0, r) for r in range(parts)]
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for i in order:
-        load, count, r = heapq.heappop(heap)
-        out[r].append(i)
-        heapq.heappush(heap, (load + int(lengths[i]), count + 1, r))
-    return [sorted(p) for p in out]
 
 
 # --- strategies: how a rank holds the model --------------------------------------------------------

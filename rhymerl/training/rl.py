@@ -48,7 +48,7 @@ from rhymerl.training.sft import CARD, print_card, run_sft, sft_output_dir
 from rhymerl.training.trainer import Experience, PolicyTrainer
 
 if TYPE_CHECKING:
-    from rhymerl.distribution.trainer_group import TrainerGroup
+    from rhymerl.training.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +226,10 @@ class RLRun:
         self.trainer: PolicyTrainer | TrainerGroup
         self.draft_head = None
         if distributed:
-            from rhymerl.distribution import trainer_group
+            from rhymerl.training.trainer_group import TrainerGroup
 
             try:
-                self.trainer = trainer_group.TrainerGroup(cfg, base, self.model, with_ref=cfg.algorithm.kl_coef > 0,
+                self.trainer = TrainerGroup(cfg, base, self.model, with_ref=cfg.algorithm.kl_coef > 0,
                                             total_optimizer_steps=total)
             except BaseException:
                 self.rewards.close()

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from rhymerl.config import RunConfig
 from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_device
-from rhymerl.engine import LLM
+from rhymerl.llm import LLM
 from rhymerl.atomic_io import atomic_write_text
 from rhymerl.model import CausalLM, ModelConfig, save_pretrained
 from rhymerl.rewards import RewardRegistry

@@ -13,6 +13,7 @@ import torch
 
 from rhymerl.config import AlgorithmSection, TrainerSection
 from rhymerl.training.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
+from rhymerl.training.token_balance import balance_by_tokens
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,6 @@ class PolicyTrainer:
         every rank knows every rank's part without talking."""
         if self.world_size == 1:
             return [idx]
-        from rhymerl.training.parallel import balance_by_tokens
-
         parts = balance_by_tokens(exp.response_mask[idx].sum(-1).tolist(), self.world_size)
         return [idx[torch.tensor(p, dtype=torch.long)] for p in parts]
 

@@ -1,4 +1,5 @@
-"""``LLM``: the user-facing rollout engine, vLLM-style."""
+"""``LLM``: the user-facing rollout engine, vLLM-style. It sits above the engine and the
+drafters it composes (the engine knows drafters only as a ``Proposer``)."""
 from __future__ import annotations
 
 import random
@@ -9,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rhymerl.device import resolve_device, resolve_dtype
+from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer, uses_history
 from rhymerl.engine.draft import Proposer
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.llm_engine import LLMEngine, kv_capacity
@@ -81,7 +83,6 @@ class LLM:
             return None
         if hasattr(speculative, "propose"):
             return speculative  # type: ignore[return-value]
-        from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer, uses_history
 
         cfg = SpecConfig.from_mapping(speculative)  # type: ignore[arg-type]
         if cfg.method == "none":
