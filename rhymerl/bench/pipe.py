@@ -72,6 +72,7 @@ SYNTHETIC = {
     "reasoning": {"typical": ("lognormal", 4000, 0.7), "spread": 0.4, "drift": 0.15},
 }
 MAX_TOKENS = 32768
+SYNTHETIC_PROMPTS = 16384  # distinct prompts for the largest simulated step (1,024 workers x 16)
 
 
 def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
@@ -108,12 +109,19 @@ def rank_change_fraction(pairs: list[tuple[list[int], list[int]]], by: float = 0
 
 def scaled_workload(pairs: list[tuple[list[int], list[int]]], prompts: int, n: int, scale: float,
                     rng: np.random.Generator) -> tuple[list[list[int]], np.ndarray]:
-    """``prompts`` prompts of ``n`` samples resampled from trace pairs: true lengths and predictions."""
-    idx = rng.integers(0, len(pairs), size=prompts)
+    """``prompts`` prompts of ``n`` samples drawn from trace pairs: true lengths and predictions.
+
+    Distinct pairs while the trace has enough (a batch never holds a prompt twice, and a pair
+    drawn twice would put two prompts with the same prediction error side by side, which a
+    placement that ranks prompts by risk then packs onto one worker), with replacement beyond;
+    a prompt's samples are its next epoch's lengths in random order (resampled if fewer than n)."""
+    idx = rng.permutation(len(pairs))[:prompts] if len(pairs) >= prompts else rng.integers(0, len(pairs), size=prompts)
     true, prev = [], []
     for i in idx:
         p, c = pairs[i]
-        true.append((np.maximum(1, np.array(c)[rng.integers(0, len(c), size=n)] * scale)).astype(int).tolist())
+        c = np.asarray(c)
+        drawn = rng.permutation(c)[:n] if len(c) >= n else c[rng.integers(0, len(c), size=n)]
+        true.append(np.maximum(1, drawn * scale).astype(int).tolist())
         prev.append([x * scale for x in p])
     return true, prev
 
@@ -405,7 +413,8 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     else:
         print("no length traces of the built-in task (no main-job run, no measured steps): its rows are skipped")
     rng = np.random.default_rng(1)
-    sources.update({kind: (synthetic_pairs(kind, 4096, 16, rng), 1.0, GPU_8B_H100, 256.0, float(MAX_TOKENS))
+    sources.update({kind: (synthetic_pairs(kind, SYNTHETIC_PROMPTS, 16, rng), 1.0, GPU_8B_H100, 256.0,
+                           float(MAX_TOKENS))
                     for kind in SYNTHETIC})
     for kind in SYNTHETIC:
         print(f"trace {kind}: {rank_change_fraction(sources[kind][0]):.1%} of prompts change length rank by more "
