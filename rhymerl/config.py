@@ -17,7 +17,7 @@ import yaml
 
 from rhymerl.drafting.config import SpecConfig
 from rhymerl.scheduling.length_predictor import STATS
-from rhymerl.scheduling.planner import PLACEMENTS
+from rhymerl.scheduling.planner import PLACEMENTS, SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -290,7 +290,7 @@ _CHOICES = {
     "algorithm.kl_type": ("k1", "low_var_kl"),
     "trainer.lr_schedule": ("constant", "cosine"),
     "rollout.backend": ("local", "ray"),
-    "rollout.schedule": ("even", "least_loaded", "histopipe"),
+    "rollout.schedule": SCHEDULES,
     "rollout.length_stat": tuple(STATS),
     "rollout.placement": PLACEMENTS,
     "trainer.minibatch_split": None,  # checked with the split's other constraints below

@@ -32,7 +32,8 @@ from rhymerl.scheduling.plan import Plan, WorkUnit
 from rhymerl.scheduling.simulator import simulate
 
 POLICIES = ("even", "least_loaded", "histopipe", "prompt_oracle", "oracle")
-ORACLES = ("prompt_oracle", "oracle")  # planned from the true lengths
+ORACLES = ("prompt_oracle", "oracle")  # planned from the true lengths: bounds for the bench
+SCHEDULES = tuple(p for p in POLICIES if p not in ORACLES)  # what a run's rollout.schedule can be
 
 
 def _merge(units: list[tuple[int, int]]) -> list[WorkUnit]:
