@@ -136,11 +136,12 @@ class AlgorithmSection:
     max_resample_batches: int = 0
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
-    # Async RL (trainer.async_staleness > 0): how the update corrects for responses drawn by an
-    # older policy. One of rhymerl.training.algos.OFFPOLICY_CORRECTIONS: "tis" (truncated
-    # importance sampling on the behaviour-to-proximal ratio, decoupled PPO as in AReaL and
-    # verl's async recipes) | "none". The proximal policy is the one the update starts from.
-    offpolicy_correction: str = "tis"
+    # Async RL (trainer.async_staleness > 0): how the update treats responses drawn by an
+    # older policy. One of rhymerl.training.algos.OFFPOLICY_CORRECTIONS: "behaviour_clip" (PPO's
+    # ratio and clip taken against the policy that drew the tokens) | "tis" (decoupled PPO as in
+    # AReaL and verl's async recipes: the clip around the proximal policy, the update's start,
+    # and truncated importance weights proximal / behaviour) | "none" (the proximal anchor alone).
+    offpolicy_correction: str = "behaviour_clip"
     is_cap: float = 2.0  # the truncation of the importance weight
 
 

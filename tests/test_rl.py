@@ -264,15 +264,43 @@ def test_token_budget_micro_batches_give_the_same_update():
     assert torch.allclose(weights[0], weights[1], atol=1e-6)
 
 
-def test_truncated_importance_weights():
+def test_offpolicy_corrections_anchor_and_weights():
+    """tis: clip around the proximal policy, truncated weights; behaviour_clip: clip around the
+    behaviour policy, no weights; none: the proximal anchor, no weights."""
     from rhymerl.training.algos import OFFPOLICY_CORRECTIONS
 
-    prox = torch.tensor([[0.0, -1.0, -0.1]])
+    prox = torch.tensor([[0.0, -1.0, -0.1]], requires_grad=True)
     behav = torch.tensor([[0.0, -2.0, -0.2]])
-    w = OFFPOLICY_CORRECTIONS["tis"](prox, behav, cap=2.0)
-    assert torch.allclose(w, torch.tensor([[1.0, 2.0, float(torch.exp(torch.tensor(0.1)))]]))
-    assert not w.requires_grad
-    assert torch.equal(OFFPOLICY_CORRECTIONS["none"](prox, behav, cap=2.0), torch.ones_like(prox))
+    tis = OFFPOLICY_CORRECTIONS["tis"](prox, behav, cap=2.0)
+    assert torch.allclose(tis.weights, torch.tensor([[1.0, 2.0, float(torch.exp(torch.tensor(0.1)))]]))
+    assert torch.equal(tis.anchor, prox.detach())
+    clip = OFFPOLICY_CORRECTIONS["behaviour_clip"](prox, behav, cap=2.0)
+    assert torch.equal(clip.anchor, behav) and torch.equal(clip.weights, torch.ones_like(prox))
+    none = OFFPOLICY_CORRECTIONS["none"](prox, behav, cap=2.0)
+    assert torch.equal(none.anchor, prox.detach()) and torch.equal(none.weights, torch.ones_like(prox))
+    for c in (tis, clip, none):
+        assert not c.anchor.requires_grad and not c.weights.requires_grad
+
+
+def test_behaviour_clip_bounds_the_move_from_the_sampling_policy():
+    """A token whose probability the live weights already raised past the clip range from the
+    policy that drew it gets no further push with behaviour_clip (ratio to the behaviour policy
+    is clipped), while the proximal anchor (tis, none) still pushes it (ratio 1 at the start)."""
+    from rhymerl.training.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES
+
+    behav = torch.log(torch.tensor([[0.2]]))
+    live = torch.log(torch.tensor([[0.4]]))  # the weights moved since the token was drawn
+    adv, mask = torch.ones(1, 1), torch.ones(1, 1)
+    loss_fn = POLICY_LOSSES["ppo_clip"]
+    grads = {}
+    for name in ("behaviour_clip", "none"):
+        logp = live.clone().requires_grad_(True)
+        corr = OFFPOLICY_CORRECTIONS[name](live, behav, cap=2.0)
+        loss, _ = loss_fn(logp, corr.anchor, adv * corr.weights, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0,
+                          agg="token-mean", norm_tokens=1.0, norm_seqs=1.0)
+        loss.backward()
+        grads[name] = float(logp.grad)
+    assert grads["behaviour_clip"] == 0.0 and grads["none"] < 0.0
 
 
 @pytest.mark.slow

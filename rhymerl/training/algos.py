@@ -5,6 +5,7 @@ response tokens. Every function here is testable alone.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -12,7 +13,7 @@ import torch
 ADV_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 GROUP_LOCAL_ADV: set[str] = set()  # estimators that need a group alone, not the whole batch
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
-OFFPOLICY_CORRECTIONS: dict[str, Callable[..., torch.Tensor]] = {}
+OFFPOLICY_CORRECTIONS: dict[str, Callable[..., "Correction"]] = {}
 
 
 def register_adv_est(name: str, *, group_local: bool = True):
@@ -40,19 +41,40 @@ def register_offpolicy_correction(name: str):
     return deco
 
 
+@dataclass(frozen=True)
+class Correction:
+    """How the PPO loss treats responses drawn by an older (behaviour) policy: the per-token
+    log-probs its ratio is taken against (what the clip is around) and per-token weights on the
+    advantage, both ``[B, L]`` and detached."""
+
+    anchor: torch.Tensor
+    weights: torch.Tensor
+
+
+@register_offpolicy_correction("behaviour_clip")
+def behaviour_clip(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> Correction:
+    """PPO on the policy that drew the tokens: the ratio is new / behaviour and the clip is
+    around the behaviour policy, no weights. The update then never pushes a token further than
+    the clip range from the policy that sampled it, however far the weights have moved since;
+    the proximal anchor bounds the move only from the update's start, so a token the live
+    weights already drifted on is pushed again each stale step (on the main job's recipe the
+    policy's KL per step then grew 20-fold late in training)."""
+    return Correction(behav_logp.detach(), torch.ones_like(prox_logp))
+
+
 @register_offpolicy_correction("tis")
-def truncated_is_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """Per-token importance weights ``[B, L]`` of responses drawn by an older (behaviour)
-    policy: ``min(exp(prox - behav), cap)``, detached. Decoupled PPO: the clip is taken
-    around the proximal policy (the update's start), and this weight corrects for the policy
-    that actually sampled the tokens."""
-    return torch.exp((prox_logp - behav_logp).clamp(max=20.0)).clamp(max=cap).detach()
+def truncated_is_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> Correction:
+    """Decoupled PPO: the clip is around the proximal policy (the update's start) and each
+    token is weighted by ``min(exp(prox - behav), cap)``, correcting for the policy that
+    actually sampled it."""
+    w = torch.exp((prox_logp - behav_logp).clamp(max=20.0)).clamp(max=cap).detach()
+    return Correction(prox_logp.detach(), w)
 
 
 @register_offpolicy_correction("none")
-def no_correction(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """Responses treated as drawn by the proximal policy (weights 1)."""
-    return torch.ones_like(prox_logp)
+def no_correction(prox_logp: torch.Tensor, behav_logp: torch.Tensor, *, cap: float) -> Correction:
+    """Responses treated as drawn by the proximal policy (clip around it, weights 1)."""
+    return Correction(prox_logp.detach(), torch.ones_like(prox_logp))
 
 
 def _group_stats(scores: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

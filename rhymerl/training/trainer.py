@@ -287,10 +287,11 @@ class PolicyTrainer:
                         acc("draft/top1", d_correct / d_tok, d_tok)
                 old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
                 if exp.behav_logp is not None:
-                    # Drawn by an older policy: the loss clips around ``old`` (the proximal policy)
-                    # and each token is weighted by the correction (the PPO loss is linear in it).
+                    # Drawn by an older policy: the correction says what the loss clips around
+                    # and how each token is weighted (the PPO loss is linear in the weight).
                     behav = exp.behav_logp[micro][:, : width - 1].to(self.device)
-                    adv = adv * OFFPOLICY_CORRECTIONS[algo.offpolicy_correction](old, behav, cap=algo.is_cap)
+                    corr = OFFPOLICY_CORRECTIONS[algo.offpolicy_correction](old, behav, cap=algo.is_cap)
+                    old, adv = corr.anchor, adv * corr.weights
                 pg_loss, m = loss_fn(logp, old, adv, mask, clip_low=algo.clip_ratio_low,
                                      clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
                                      agg=algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
