@@ -142,7 +142,7 @@ class AlgorithmSection:
     # AReaL and verl's async recipes: the clip around the proximal policy, the update's start,
     # and truncated importance weights proximal / behaviour) | "none" (the proximal anchor alone).
     offpolicy_correction: str = "behaviour_clip"
-    is_cap: float = 2.0  # the truncation of the importance weight
+    is_cap: float = 2.0  # tis: the truncation of the importance weight
 
 
 @dataclass

@@ -293,14 +293,14 @@ def test_behaviour_clip_bounds_the_move_from_the_sampling_policy():
     adv, mask = torch.ones(1, 1), torch.ones(1, 1)
     loss_fn = POLICY_LOSSES["ppo_clip"]
     grads = {}
-    for name in ("behaviour_clip", "none"):
+    for name in ("behaviour_clip", "tis", "none"):
         logp = live.clone().requires_grad_(True)
         corr = OFFPOLICY_CORRECTIONS[name](live, behav, cap=2.0)
         loss, _ = loss_fn(logp, corr.anchor, adv * corr.weights, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0,
                           agg="token-mean", norm_tokens=1.0, norm_seqs=1.0)
         loss.backward()
         grads[name] = float(logp.grad)
-    assert grads["behaviour_clip"] == 0.0 and grads["none"] < 0.0
+    assert grads["behaviour_clip"] == 0.0 and grads["tis"] < 0.0 and grads["none"] < 0.0
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """The policy's trainer ranks, seen from the controller: start them, call them all at once,
 collect their parts, and stop the run with a clear error if one dies or hangs.
 
-Ranks are local processes started from the fork server (rendezvous through a file in a private folder; gloo on the
-loopback interface only) or Ray actors (rendezvous at rank 0's node address). Each rank is a
-:class:`rhymerl.training.parallel.TrainerRank`.
+Ranks are local processes started from the fork server (rendezvous through a file in a
+private folder; gloo on the loopback interface only) or Ray actors (rendezvous at rank 0's node
+address). Each rank is a :class:`rhymerl.training.parallel.TrainerRank`.
 """
 from __future__ import annotations
 
