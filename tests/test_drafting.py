@@ -176,6 +176,23 @@ def test_gate_speculates_less_when_compute_bound():
     assert low < 0.2 and est.alpha == pytest.approx(0.6, abs=0.05)
 
 
+def test_cost_tables_are_measured_once_per_process_and_key():
+    from rhymerl.engine.cost_model import calibrated
+
+    calls = []
+
+    def measure(scale):
+        calls.append(scale)
+        return CostModel({(b, t): scale * b * t for b in (1, 4) for t in (1, 2)})
+
+    key = ("test-only", object())  # a key no engine uses
+    a = calibrated(key, lambda: measure(1.0))
+    b = calibrated(key, lambda: measure(2.0))
+    assert calls == [1.0] and a.table == b.table and a is not b and a.table is not b.table
+    calibrated((*key, "other"), lambda: measure(3.0))
+    assert calls == [1.0, 3.0]
+
+
 def test_step_overhead_compares_like_batches():
     from rhymerl.drafting.gate import StepOverhead
 

@@ -189,7 +189,7 @@ def test_gate_state_travels_in_checkpoints(base_model, tmp_path):
     run = RLRun(cfg, tmp_path / "run", progress=False)
     try:
         fresh = run.rollout.pool.gate_states()
-        assert fresh != saved  # a new process measured its own costs and learnt nothing yet
+        assert fresh != saved  # a fresh run has learnt nothing yet
         run.resume()
         assert json.loads(json.dumps(run.rollout.pool.gate_states())) == saved
     finally:

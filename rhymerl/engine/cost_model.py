@@ -1,13 +1,14 @@
 """How much one forward pass costs as a function of batch size and tokens scored per row.
 
 Measured on the actual model and device when speculation is switched on (about a second on
-a CPU), so the speculation gate decides on this machine's numbers, not on assumptions.
+a CPU), so the speculation gate decides on this machine's numbers, not on assumptions; once per
+process for a given model shape, numerics and cache (:func:`calibrated`).
 """
 from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -58,6 +59,22 @@ class CostModel:
 
     def relative(self, B: int, T: int) -> float:
         return self.cost(B, T) / self.cost(B, 1)
+
+
+# Cost tables measured in this process, by what they depend on (see :func:`calibrated`).
+_MEASURED: dict[Hashable, dict[tuple[int, int], float]] = {}
+
+
+def calibrated(key: Hashable, measure: Callable[[], CostModel]) -> CostModel:
+    """``measure()``, once per process for each ``key`` (the model's shape and numerics, the
+    device, dtype, thread count and cache): engines built later in the process (a training run
+    after another, several ``LLM`` objects, a worker rebuilt after a fault) reuse the table.
+    Each measurement costs about a second on a CPU and says the same thing; the gate's online
+    check (:class:`rhymerl.drafting.gate.RealizedCost`) follows the machine's speed from there."""
+    table = _MEASURED.get(key)
+    if table is None:
+        table = _MEASURED[key] = dict(measure().table)
+    return CostModel(dict(table))
 
 
 @torch.inference_mode()

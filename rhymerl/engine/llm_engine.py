@@ -61,12 +61,15 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, device, invariant=invariant,
                                   keep_hidden=bool(getattr(proposer, "wants_hidden", False)))
         if proposer is not None and getattr(proposer, "wants_cost_model", False):
-            from rhymerl.engine.cost_model import calibrate
+            from rhymerl.engine.cost_model import calibrate, calibrated
 
-            # Measured once, on this model and device, before any request holds a slot, with the
-            # forward the engine runs.
-            proposer.attach_cost_model(calibrate(self.runner.forward, self.cache, device, num_slots,
-                                                 proposer.max_nodes + 1))
+            # Measured on this model and device before any request holds a slot, with the forward
+            # the engine runs (once per process for this shape, numerics and cache).
+            width = proposer.max_nodes + 1
+            key = (repr(model.config), str(device), str(dtype), torch.get_num_threads(), invariant,
+                   self.runner.keep_hidden, num_slots, self.cache.capacity, width)
+            proposer.attach_cost_model(calibrated(key, lambda: calibrate(self.runner.forward, self.cache, device,
+                                                                          num_slots, width)))
         self.scheduler = Scheduler(self.cache)
         self.eos_token_ids = list(eos_token_ids)
         self.detokenize = detokenize

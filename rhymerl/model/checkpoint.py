@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from rhymerl.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from rhymerl.model.config import ModelConfig
@@ -96,6 +97,19 @@ def check_state_dict(model: CausalLM, sd: dict[str, torch.Tensor], source: str) 
                          + "; ".join(parts))
 
 
+class _NoRandomInit(TorchFunctionMode):
+    """Skips the in-place random initialisation of parameters built on the meta device (they get
+    the checkpoint's values): on meta, ``normal_`` runs through torch's reference decompositions,
+    whose first use imports the compiler stack (1.4-1.8 s of every process that loads a model)."""
+
+    SKIP = frozenset({"normal_", "uniform_", "kaiming_uniform_", "trunc_normal_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.SKIP:
+            return args[0] if args else kwargs["tensor"]  # the tensor, unfilled
+        return func(*args, **(kwargs or {}))
+
+
 def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32) -> CausalLM:
     """Load an HF-format Llama/Qwen2/Qwen3 folder into our :class:`CausalLM`."""
@@ -103,7 +117,7 @@ def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu",
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder}: no config.json (is this a model folder?)")
     cfg = ModelConfig.from_file(folder / "config.json")
-    with torch.device("meta"):
+    with torch.device("meta"), _NoRandomInit():
         model = CausalLM(cfg)
     sd = hf_to_ours(load_state_dict(folder), cfg)
     check_state_dict(model, sd, str(folder))

@@ -68,30 +68,63 @@ def _prefill_tokens(prompt_len: float, count: int, n_prompts: int, max_num_seqs:
     return prompt_len * (n_prompts if count <= max_num_seqs else count)
 
 
+class _RunTime:
+    """``estimate_s`` of any contiguous run ``[a, b)`` of ranked samples in O(1): prefix sums of
+    lengths and of prompt starts, and a sparse table of range maxima (the run's longest)."""
+
+    def __init__(self, lengths: np.ndarray, prompts: np.ndarray, cost: StepCost, max_num_seqs: int,
+                 prompt_len: float) -> None:
+        self.cost, self.slots, self.prompt_len = cost, max_num_seqs, prompt_len
+        x = np.asarray(lengths, dtype=np.float64)
+        new_p = np.ones(len(x), dtype=np.int64)
+        new_p[1:] = prompts[1:] != prompts[:-1]
+        self.csum = np.concatenate([[0.0], np.cumsum(x)]).tolist()
+        self.cnp = np.concatenate([[0], np.cumsum(new_p)]).tolist()
+        levels, k = [x], 1
+        while 2 * k <= len(x):
+            levels.append(np.maximum(levels[-1][:-k], levels[-1][k:]))
+            k *= 2
+        self.levels = [lv.tolist() for lv in levels]
+
+    def __call__(self, a: int, b: int) -> float:
+        count = b - a
+        j = count.bit_length() - 1
+        level = self.levels[j]
+        longest = max(level[a], level[b - (1 << j)])
+        n_p = self.cnp[b] - self.cnp[a + 1] + 1  # the run's first sample starts a prompt for it
+        return estimate_s(self.csum[b] - self.csum[a], longest, count, self.cost, self.slots,
+                          _prefill_tokens(self.prompt_len, count, n_p, self.slots))
+
+
 def _partition(lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost, max_num_seqs: int,
                prompt_len: float) -> list[int]:
     """Cut ``lengths`` (ranked, siblings adjacent, ``prompts[i]`` the prompt of unit i) into at
-    most R contiguous groups minimising the largest estimated group time; returns the starts."""
+    most R contiguous groups minimising the largest estimated group time; returns the starts.
 
-    def est(total: float, longest: float, count: int, n_prompts: int) -> float:
-        return estimate_s(total, longest, count, cost, max_num_seqs,
-                          _prefill_tokens(prompt_len, count, n_prompts, max_num_seqs))
+    For a budget, each group takes samples while its estimate fits (always at least one): the
+    estimate only grows as a group takes more, so each group's end is a binary search, O(R log n)
+    per budget instead of a walk over every sample."""
+    est = _RunTime(lengths, prompts, cost, max_num_seqs, prompt_len)
+    n = len(lengths)
 
     def cut(budget: float) -> list[int] | None:
-        starts, total, longest, count, n_p = [0], 0.0, 0.0, 0, 0
-        for i, x in enumerate(lengths):
-            new_p = i == 0 or prompts[i] != prompts[i - 1]
-            t, lg, c, q = total + x, max(longest, x), count + 1, n_p + new_p
-            if count and est(t, lg, c, q) > budget:
-                starts.append(i)
-                if len(starts) > R:
-                    return None
-                t, lg, c, q = x, x, 1, 1
-            total, longest, count, n_p = t, lg, c, q
+        starts, a = [0], 0
+        while est(a, n) > budget:
+            lo, hi = a + 1, n  # the group [a, lo) fits (or is a single sample); [a, hi) does not
+            while hi - lo > 1:
+                m = (lo + hi) // 2
+                if est(a, m) <= budget:
+                    lo = m
+                else:
+                    hi = m
+            starts.append(lo)
+            if len(starts) > R:
+                return None
+            a = lo
         return starts
 
-    lo = max(est(x, x, 1, 1) for x in lengths)
-    hi = est(float(lengths.sum()), float(lengths.max()), len(lengths), len(set(prompts.tolist())))
+    lo = max(est(i, i + 1) for i in range(n))
+    hi = est(0, n)
     return smallest_budget(cut, lo, hi, [0])
 
 
