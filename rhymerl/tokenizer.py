@@ -6,6 +6,7 @@ so our tiny models are ordinary Hugging Face folders.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,23 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
 
 
+# Tokenizer classes that are the ``tokenizer.json`` alone (what rhymerl's own checkpoints name).
+_PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in a model folder."""
-    return AutoTokenizer.from_pretrained(str(path))
+    """The tokenizer saved in a model folder. A folder whose ``tokenizer_config.json`` names the
+    plain fast tokenizer (every checkpoint rhymerl writes) is loaded as that class directly:
+    ``AutoTokenizer`` would first read the model config, which imports transformers' model
+    stack (1.5 s of every process's start); any other folder goes through ``AutoTokenizer``."""
+    folder = Path(path)
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    if declared in _PLAIN_CLASSES and (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:

@@ -155,9 +155,12 @@ def test_rl_one_and_two_workers_identical(base_model, tmp_path, backend):
 
 @pytest.mark.slow
 def test_rl_sigkill_at_a_random_moment_and_resume_identical(base_model, tmp_path):
+    """kill -9 of `rhymerl train` somewhere after its first checkpoint, then --resume: the run
+    matches the straight one. The hybrid trains a draft head online, whose weights and optimizer
+    resume with the run (its loss is a learning metric)."""
     from rhymerl.training.rl import train
 
-    steps = EXACT + ["trainer.steps=10"]
+    steps = EXACT + ["trainer.steps=10", "rollout.speculative.method=hybrid"]
     train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + steps), progress=False)
     run = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

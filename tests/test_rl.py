@@ -133,19 +133,6 @@ def test_dynamic_sampling_filter_drops_groups_without_advantage(base_model, tmp_
     assert any("actor/pg_loss" in r for r in mixed)
 
 
-@pytest.mark.slow
-def test_sigkill_and_resume_is_exact(base_model, tmp_path):
-    from rhymerl.training.rl import train
-
-    # long enough that the kill lands mid-run, after step 2's checkpoint; the hybrid trains a draft
-    # head online, whose weights and optimizer resume with the run (its loss is a learning metric)
-    six = ["trainer.steps=6", "rollout.speculative.method=hybrid"]
-    train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + six), progress=False)
-    run = tmp_path / "killed"
-    kill_and_resume(run, rl_overrides(base_model, run) + six, after_step=2, last_step=6)
-    assert learning_metrics(run) == learning_metrics(tmp_path / "ref")
-
-
 def test_partial_rollouts_carry_groups_and_resume_exactly(base_model, tmp_path):
     """carry_over_tokens pauses long samples and finishes them in the next step, off-policy and
     logged as such; the paused groups travel in the checkpoint, so a resumed run matches."""

@@ -233,18 +233,19 @@ def shared_buffer(named: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list
 _SERVER_PRELOAD = ["torch", "rhymerl.distribution.worker", "rhymerl.training.parallel"]
 
 
-def spawn_processes(cls: type, args: list[tuple], *, name: str) -> list[ProcessHandle]:
+def spawn_processes(cls: type, args: list[tuple], *, name: str, preload: tuple[str, ...] = ()) -> list[ProcessHandle]:
     """One process per ``args`` entry, each serving ``cls(*entry)``; returns once all are built
     (a failed build raises, naming the process).
 
     Processes come from a fork server (``multiprocessing``'s ``forkserver``): a clean process,
     started once, that has imported torch but never run an op, so a child inherits no torch
     threads and no state of the caller's (as with ``spawn``) and starts without importing them
-    again (a 2-rank training run's start: 6.1 -> 5.2 s here)."""
+    again (a 2-rank training run's start: 6.1 -> 5.2 s here). ``preload``: more modules for the
+    server to import, if this call starts it (it starts once per process)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_SERVER_PRELOAD)
+    ctx.set_forkserver_preload(_SERVER_PRELOAD + list(preload))
     handles = []
     for i, a in enumerate(args):
         parent, child = ctx.Pipe()

@@ -81,7 +81,10 @@ class TrainerGroup:
                 # A file rendezvous in a folder only this user reads: nothing listens on the network.
                 self._tmp = tempfile.mkdtemp(prefix="rhymerl-rdzv-")
                 # each rank sets its own thread count (RankSpec.threads)
-                self.handles = spawn_processes(TrainerRank, [(s,) for s in specs], name="rhymerl-trainer")
+                # torch's compiler stack: the optimizer's constructor and FSDP's sharded tensors
+                # import it (1.5 s), once in the server instead of in every rank
+                self.handles = spawn_processes(TrainerRank, [(s,) for s in specs], name="rhymerl-trainer",
+                                               preload=("torch._dynamo",))
                 self._all("setup", f"file://{self._tmp}/store", True, timeout=t.collective_timeout_s + 60)
             else:
                 self._start_ray(cfg, specs)
