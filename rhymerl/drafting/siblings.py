@@ -25,6 +25,7 @@ class SiblingSource(IndexSource):
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
         self._live: dict[object, _Live] = {}
+        self._known: dict[int, Sequence] = {}  # sequences with a place in a live index, by id (held: ids stay unique)
         self._tick = 0
 
     def key(self, s: Sequence) -> object:
@@ -38,8 +39,14 @@ class SiblingSource(IndexSource):
         """Give new sequences a place in their live index (their tokens are indexed lazily,
         when a draft is made, so steps the gate skips cost no indexing)."""
         self._tick += 1
-        live_of, pm = self._live, self.cfg.pattern_max
+        live_of, pm, known = self._live, self.cfg.pattern_max, self._known
+        if len(known) >= len(seqs):  # most steps admit no one: find the new ones by set difference
+            fresh = set(map(id, seqs)).difference(known)
+            if not fresh:
+                return
+            seqs = [s for s in seqs if id(s) in fresh]
         for s in seqs:
+            known[id(s)] = s
             k = self.key(s)
             live = live_of.get(k)
             if live is None:
@@ -85,6 +92,7 @@ class SiblingSource(IndexSource):
 
     def on_finish(self, seq: Sequence) -> None:
         """A member is done here; the live index goes once all of them are."""
+        self._known.pop(id(seq), None)
         k = self.key(seq)
         live = self._live.get(k)
         if live is not None:

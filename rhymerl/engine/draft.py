@@ -142,7 +142,7 @@ class DraftBatch:
         if k >= self.width:
             return self
         return DraftBatch(self.tokens[:, :k], self.parents[:, :k], self.depths[:, :k],
-                          [min(n, k) for n in self.lengths], self.is_path)
+                          [n if n < k else k for n in self.lengths], self.is_path)
 
     def row_depths(self) -> list[int]:
         """Each row's deepest node (0 without a draft)."""
