@@ -28,6 +28,8 @@ class StepCost:
     prefill_per_token_s: float = 0.0
     name: str = "custom"
     _fit: tuple[float, float] = field(default=(0.0, 0.0), compare=False, repr=False)
+    # step_s of integer batch sizes, as computed: the simulator asks for the same few per event
+    _memo: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.batch) != len(self.seconds) or not self.batch:
@@ -51,6 +53,14 @@ class StepCost:
 
     def step_s(self, B: int) -> float:
         """Seconds of one decode step with ``B`` running sequences (0 for an empty batch)."""
+        s = self._memo.get(B) if type(B) is int else None
+        if s is None:
+            s = self._step_s(B)
+            if type(B) is int:
+                self._memo[B] = s
+        return s
+
+    def _step_s(self, B: float) -> float:
         if B <= 0:
             return 0.0
         bs, ss = self.batch, self.seconds

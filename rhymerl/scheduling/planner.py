@@ -312,8 +312,8 @@ def _lpt(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
         groups[w].extend((p, s) for s in part)
         prefill = _prefill_tokens(prompt_len, a[2], a[3], max_num_seqs)
         heapq.heappush(state, (estimate_s(a[0], a[1], a[2], cost, max_num_seqs, prefill), w))
+    mean = [np.mean(x) if len(x) else 0.0 for x in lens]  # per prompt, once
     for g in groups:  # longest first; siblings stay adjacent
-        mean = {p: np.mean(lens[p]) for p, _ in g}
         g.sort(key=lambda u: (-mean[u[0]], u[0], -lens[u[0]][u[1]]))
     return groups
 
@@ -357,7 +357,8 @@ def _contiguous(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: i
     flat = np.array([lens[p][s] for p, s in units], dtype=np.float64)
     # Rank prompts by their mean (predicted or true) length, samples longest first within a
     # prompt: siblings stay adjacent, so a cut rarely splits a prompt (they share a prefill).
-    mean = np.array([np.mean(lens[p]) if lens[p] else 0.0 for p, _ in units])
+    prompt_mean = [np.mean(x) if len(x) else 0.0 for x in lens]  # once per prompt, not per sample
+    mean = np.array([prompt_mean[p] for p, _ in units])
     order = np.lexsort((-flat, np.array([p for p, _ in units]), -mean))
     ranked = flat[order]
     prompt_of = np.array([units[i][0] for i in order])

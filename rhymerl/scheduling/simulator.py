@@ -94,6 +94,10 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
                 req_prompt.append(u.prompt)
                 req_len.append(max(1, int(lengths[u.prompt][s])))
     total = len(req_prompt)
+    # Workers by how many samples wait in their queue (a lazy max-heap: an entry's count may be
+    # stale, checked when it comes to the top): what an idle worker takes from first.
+    by_queue = [(-len(w.queue), i) for i, w in enumerate(ws) if w.queue]
+    heapq.heapify(by_queue)
     start = [0] * total  # worker counter at admission (shifted back by tokens made before a move)
     done = [False] * total
     finished_at = [0.0] * total
@@ -154,12 +158,21 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
         refresh(wi)
 
     def steal(wi: int, now: float) -> bool:
-        nonlocal steals, waiting
-        victim = max(range(R), key=lambda j: len(ws[j].queue))
-        if not ws[victim].queue:
+        nonlocal steals
+        while by_queue:  # the longest queue, the first of equals
+            n, victim = by_queue[0]
+            now_n = len(ws[victim].queue)
+            if now_n == -n:
+                break
+            if now_n:
+                heapq.heapreplace(by_queue, (-now_n, victim))
+            else:
+                heapq.heappop(by_queue)
+        else:
             return False
         thief = ws[wi]
         thief.queue.append(ws[victim].queue.pop())  # the shortest waiting work (queues run longest first)
+        heapq.heappush(by_queue, (-len(thief.queue), wi))
         thief.t = max(thief.t, now)
         steals += 1
         return True
