@@ -53,7 +53,7 @@ class StepCost:
 
     def step_s(self, B: int) -> float:
         """Seconds of one decode step with ``B`` running sequences (0 for an empty batch)."""
-        s = self._memo.get(B) if type(B) is int else None
+        s = self._memo.get(B)  # a float equal to a memoised int gets the same value
         if s is None:
             s = self._step_s(B)
             if type(B) is int:

@@ -147,6 +147,27 @@ def smallest_budget(cut: Callable[[float], list[int] | None], lo: float, hi: flo
     return best
 
 
+def cut_at_budget(est: Callable[[int, int], float], size: int, R: int, budget: float) -> list[int] | None:
+    """Contiguous groups of ``size`` ranked units, each taking units while ``est(a, b)`` (monotone
+    in b) stays within ``budget`` (at least one unit): the boundaries (first 0, last ``size``),
+    each group's end a binary search; None when that needs more than R groups."""
+    bounds, a = [0], 0
+    while a < size:
+        lo, hi = a + 1, size
+        if est(a, lo) <= budget:
+            while lo < hi:
+                m = (lo + hi + 1) // 2
+                if est(a, m) <= budget:
+                    lo = m
+                else:
+                    hi = m - 1
+        a = lo
+        bounds.append(a)
+        if len(bounds) - 1 > R:
+            return None
+    return bounds
+
+
 def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:
     """Cut ``size`` ranked units into at most R contiguous groups minimising the largest
     ``est(a, b)`` (monotone in b): a binary search on the budget, each group extended by a
@@ -154,26 +175,8 @@ def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:
     the slowest group while workers are spare (allocation: long work gets them)."""
     if size == 0:
         return [0, 0]
-
-    def cut(budget: float) -> list[int] | None:
-        bounds, a = [0], 0
-        while a < size:
-            lo, hi = a + 1, size
-            if est(a, lo) <= budget:
-                while lo < hi:
-                    m = (lo + hi + 1) // 2
-                    if est(a, m) <= budget:
-                        lo = m
-                    else:
-                        hi = m - 1
-            a = lo
-            bounds.append(a)
-            if len(bounds) - 1 > R:
-                return None
-        return bounds
-
     lo = max(est(i, i + 1) for i in range(0, size, max(1, size // 512)))
-    best = smallest_budget(cut, lo, est(0, size), [0, size], iters)
+    best = smallest_budget(lambda budget: cut_at_budget(est, size, R, budget), lo, est(0, size), [0, size], iters)
     while len(best) - 1 < R:
         times = [est(best[g], best[g + 1]) for g in range(len(best) - 1)]
         g = int(np.argmax(times))
@@ -191,4 +194,4 @@ def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:
     return best
 
 
-__all__ = ["LengthDists", "GroupTime", "cut_contiguous", "smallest_budget"]
+__all__ = ["LengthDists", "GroupTime", "cut_at_budget", "cut_contiguous", "smallest_budget"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from rhymerl.scheduling.cost import StepCost
-from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous, smallest_budget
+from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_at_budget, cut_contiguous, smallest_budget
 from rhymerl.scheduling.plan import Plan, WorkUnit
 from rhymerl.scheduling.simulator import simulate
 
@@ -88,6 +88,8 @@ class _RunTime:
 
     def __call__(self, a: int, b: int) -> float:
         count = b - a
+        if count <= 0:
+            return 0.0
         j = count.bit_length() - 1
         level = self.levels[j]
         longest = max(level[a], level[b - (1 << j)])
@@ -96,55 +98,17 @@ class _RunTime:
                           _prefill_tokens(self.prompt_len, count, n_p, self.slots))
 
 
-def _partition(lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost, max_num_seqs: int,
-               prompt_len: float) -> list[int]:
-    """Cut ``lengths`` (ranked, siblings adjacent, ``prompts[i]`` the prompt of unit i) into at
-    most R contiguous groups minimising the largest estimated group time; returns the starts.
-
-    For a budget, each group takes samples while its estimate fits (always at least one): the
-    estimate only grows as a group takes more, so each group's end is a binary search, O(R log n)
-    per budget instead of a walk over every sample."""
-    est = _RunTime(lengths, prompts, cost, max_num_seqs, prompt_len)
-    n = len(lengths)
-
-    def cut(budget: float) -> list[int] | None:
-        starts, a = [0], 0
-        while est(a, n) > budget:
-            lo, hi = a + 1, n  # the group [a, lo) fits (or is a single sample); [a, hi) does not
-            while hi - lo > 1:
-                m = (lo + hi) // 2
-                if est(a, m) <= budget:
-                    lo = m
-                else:
-                    hi = m
-            starts.append(lo)
-            if len(starts) > R:
-                return None
-            a = lo
-        return starts
-
+def _partition(est: _RunTime, n: int, R: int) -> list[int]:
+    """Cut ``n`` ranked samples (siblings adjacent) into at most R contiguous groups minimising
+    the largest estimated group time; returns the boundaries (first 0, last ``n``). Each group's
+    end is a binary search (:func:`cut_at_budget`), O(R log n) per budget tried."""
     lo = max(est(i, i + 1) for i in range(n))
-    hi = est(0, n)
-    return smallest_budget(cut, lo, hi, [0])
+    return smallest_budget(lambda budget: cut_at_budget(est, n, R, budget), lo, est(0, n), [0, n])
 
 
-def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray, R: int, cost: StepCost,
-                     max_num_seqs: int, prompt_len: float) -> list[int]:
+def _use_all_workers(bounds: list[int], est: _RunTime, R: int) -> list[int]:
     """While fewer groups than workers: split the group estimated slowest where its two halves
     balance best (allocation: the longest work gets the spare workers)."""
-    if len(lengths) == 0:
-        return bounds
-    new_p = np.ones(len(lengths), dtype=bool)
-    new_p[1:] = prompts[1:] != prompts[:-1]
-
-    def est(a: int, b: int) -> float:
-        if b <= a:
-            return 0.0
-        count = b - a
-        n_p = int(new_p[a + 1:b].sum()) + 1
-        return estimate_s(float(lengths[a:b].sum()), float(lengths[a:b].max()), count, cost, max_num_seqs,
-                          _prefill_tokens(prompt_len, count, n_p, max_num_seqs))
-
     bounds = list(bounds)
     while len(bounds) - 1 < R:
         ests = [est(bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1)]
@@ -152,23 +116,8 @@ def _use_all_workers(bounds: list[int], lengths: np.ndarray, prompts: np.ndarray
         a, b = bounds[g], bounds[g + 1]
         if b - a < 2:
             break
-        # prefix sums make every split point's estimate O(1)
-        seg = lengths[a:b]
-        csum = np.cumsum(seg)
-        cmax = np.maximum.accumulate(seg)
-        rmax = np.maximum.accumulate(seg[::-1])[::-1]
-        cnp = np.cumsum(new_p[a:b])
-        best_i, best_v = a + 1, float("inf")
-        for i in range(1, b - a):
-            left_n, right_n = i, b - a - i
-            lp = _prefill_tokens(prompt_len, left_n, int(cnp[i - 1]), max_num_seqs)
-            rp_prompts = int(cnp[-1] - cnp[i - 1]) + (0 if new_p[a + i] else 1)
-            rp = _prefill_tokens(prompt_len, right_n, rp_prompts, max_num_seqs)
-            v = max(estimate_s(float(csum[i - 1]), float(cmax[i - 1]), left_n, cost, max_num_seqs, lp),
-                    estimate_s(float(csum[-1] - csum[i - 1]), float(rmax[i]), right_n, cost, max_num_seqs, rp))
-            if v < best_v:
-                best_i, best_v = a + i, v
-        bounds.insert(g + 1, best_i)
+        best = min(range(a + 1, b), key=lambda i: max(est(a, i), est(i, b)))  # the first of equals
+        bounds.insert(g + 1, best)
     return bounds
 
 
@@ -362,7 +311,10 @@ def _contiguous(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: i
     order = np.lexsort((-flat, np.array([p for p, _ in units]), -mean))
     ranked = flat[order]
     prompt_of = np.array([units[i][0] for i in order])
-    starts = _partition(ranked, prompt_of, R, cost, max_num_seqs, prompt_len) if len(ranked) else [0]
-    bounds = _use_all_workers(starts + [len(ranked)], ranked, prompt_of, R, cost, max_num_seqs, prompt_len)
+    if len(ranked):
+        est = _RunTime(ranked, prompt_of, cost, max_num_seqs, prompt_len)
+        bounds = _use_all_workers(_partition(est, len(ranked), R), est, R)
+    else:
+        bounds = [0, 0]
     groups = [[units[i] for i in order[bounds[g]:bounds[g + 1]]] for g in range(len(bounds) - 1)]
     return groups + [[] for _ in range(R - len(groups))]
