@@ -470,3 +470,23 @@ def test_calibrations_average_term_by_term_and_learning_differences_are_relative
     assert max_rel_diff([{"x": 1.0, "y": 2}], [{"x": 1.0, "y": 2}]) == 0.0
     assert max_rel_diff([{"x": 1.0}], [{"x": 1.1}]) == pytest.approx(0.1 / 1.1)
     assert max_rel_diff([{"x": 1.0}], []) == float("inf")
+
+
+def test_synthetic_trace_knows_what_its_next_epoch_was_drawn_from():
+    # dist_oracle plans from each prompt's true distribution: its quantiles must be those the
+    # next epoch's samples were drawn from, and only synthetic traces (which have one) get the row.
+    from statistics import NormalDist
+
+    from rhymerl.bench.pipe import SimSource, simulated_rows, synthetic_trace
+    from rhymerl.scheduling import GPU_8B_H100
+
+    tr = synthetic_trace("lognormal", 512, 16, np.random.default_rng(5))
+    logs = np.log([c for _, c in tr.pairs]) - np.log(tr.medians)[:, None]
+    assert abs(logs.mean()) < 0.02 and abs(logs.std() - tr.spread) < 0.02
+    q = tr.quantiles(0, 16)
+    assert q == sorted(q) and np.sqrt(q[7] * q[8]) == pytest.approx(tr.medians[0], rel=1e-6)
+    assert np.log(q[-1] / q[0]) == pytest.approx(2 * tr.spread * NormalDist().inv_cdf(15.5 / 16))
+    rows = simulated_rows({"with": SimSource(tr.pairs, 1.0, GPU_8B_H100, 256.0, 32768.0, tr),
+                           "without": SimSource(tr.pairs, 1.0, GPU_8B_H100, 256.0, 32768.0)}, [4])
+    assert {r["trace"] for r in rows if r["policy"] == "dist_oracle"} == {"with"}
+    assert all(r["vs_oracle"] > 0 for r in rows)

@@ -9,8 +9,10 @@ Two tables from one invocation:
 - simulated: the discrete-event simulator at 256 and 1,024 workers (16 prompts x 16 samples
   per worker), on our recorded length traces and on synthetic long-tailed ones, with the
   worker cost curve profiled here and with a GPU-shaped one. Beside the oracle (every
-  sample's true length), ``prompt_oracle`` plans from each prompt's true lengths without
-  knowing which sibling is which: how close any prediction per prompt can come.
+  sample's true length), ``prompt_oracle`` plans from each prompt's realized lengths without
+  knowing which sibling is which, and on a synthetic trace ``dist_oracle`` from each
+  prompt's true length distribution without the draw: the most a prediction from history
+  could know.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import functools
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -75,9 +79,25 @@ MAX_TOKENS = 32768
 SYNTHETIC_PROMPTS = 16384  # distinct prompts for the largest simulated step (1,024 workers x 16)
 
 
-def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
-    """(previous epoch, next epoch) lengths of ``count`` prompts x ``n`` samples of a
-    :data:`SYNTHETIC` trace."""
+@dataclass(frozen=True)
+class SyntheticTrace:
+    """A synthetic trace's (previous epoch, next epoch) lengths per prompt, and what the next
+    epoch's samples were drawn from: per prompt a log-normal with median ``medians[i]`` and log
+    sd ``spread``, clipped to [16, MAX_TOKENS]."""
+
+    pairs: list[tuple[list[int], list[int]]]
+    medians: np.ndarray
+    spread: float
+
+    def quantiles(self, i: int, n: int) -> list[float]:
+        """``n`` evenly spaced quantiles of prompt ``i``'s next-epoch distribution: the best
+        prediction of its samples any history could give (it knows the distribution, not the draw)."""
+        z = np.array([NormalDist().inv_cdf((k + 0.5) / n) for k in range(n)])
+        return np.clip(self.medians[i] * np.exp(self.spread * z), 16, MAX_TOKENS).tolist()
+
+
+def synthetic_trace(kind: str, count: int, n: int, rng: np.random.Generator) -> SyntheticTrace:
+    """``count`` prompts x ``n`` samples of a :data:`SYNTHETIC` trace, two epochs."""
     if kind not in SYNTHETIC:
         raise ValueError(f"synthetic trace {kind!r} is not one of {sorted(SYNTHETIC)}")
     spec = SYNTHETIC[kind]
@@ -94,7 +114,13 @@ def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> 
         return np.clip(x, 16, MAX_TOKENS).astype(int).tolist()
 
     prev, cur = draw(typical), draw(typical * drift)
-    return list(zip(prev, cur))
+    return SyntheticTrace(list(zip(prev, cur)), typical * drift, spread)
+
+
+def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
+    """(previous epoch, next epoch) lengths of ``count`` prompts x ``n`` samples of a
+    :data:`SYNTHETIC` trace."""
+    return synthetic_trace(kind, count, n, rng).pairs
 
 
 def rank_change_fraction(pairs: list[tuple[list[int], list[int]]], by: float = 0.2) -> float:
@@ -107,15 +133,21 @@ def rank_change_fraction(pairs: list[tuple[list[int], list[int]]], by: float = 0
     return float(np.mean(np.abs(a - b) > by))
 
 
-def scaled_workload(pairs: list[tuple[list[int], list[int]]], prompts: int, n: int, scale: float,
-                    rng: np.random.Generator) -> tuple[list[list[int]], np.ndarray]:
-    """``prompts`` prompts of ``n`` samples drawn from trace pairs: true lengths and predictions.
+def pick_prompts(count: int, prompts: int, rng: np.random.Generator) -> np.ndarray:
+    """Which of a trace's ``count`` prompts a step of ``prompts`` holds: distinct while the
+    trace has enough (a batch never holds a prompt twice, and a pair drawn twice would put two
+    prompts with the same prediction error side by side, which a placement that ranks prompts
+    by risk then packs onto one worker), with replacement beyond."""
+    return rng.permutation(count)[:prompts] if count >= prompts else rng.integers(0, count, size=prompts)
 
-    Distinct pairs while the trace has enough (a batch never holds a prompt twice, and a pair
-    drawn twice would put two prompts with the same prediction error side by side, which a
-    placement that ranks prompts by risk then packs onto one worker), with replacement beyond;
-    a prompt's samples are its next epoch's lengths in random order (resampled if fewer than n)."""
-    idx = rng.permutation(len(pairs))[:prompts] if len(pairs) >= prompts else rng.integers(0, len(pairs), size=prompts)
+
+def scaled_workload(pairs: list[tuple[list[int], list[int]]], prompts: int, n: int, scale: float,
+                    rng: np.random.Generator, idx: np.ndarray | None = None) -> tuple[list[list[int]], np.ndarray]:
+    """``prompts`` prompts of ``n`` samples drawn from trace pairs (``idx``: the ones
+    :func:`pick_prompts` picked, else picked here): true lengths and predictions; a prompt's
+    samples are its next epoch's lengths in random order (resampled if fewer than n)."""
+    if idx is None:
+        idx = pick_prompts(len(pairs), prompts, rng)
     true, prev = [], []
     for i in idx:
         p, c = pairs[i]
@@ -126,40 +158,63 @@ def scaled_workload(pairs: list[tuple[list[int], list[int]]], prompts: int, n: i
     return true, prev
 
 
-def simulated_rows(pairs_by_source: dict[str, tuple[list, float, StepCost, float, float]], worker_counts: list[int],
-                   n: int = 16, per_worker_prompts: int = 16) -> list[dict[str, Any]]:
-    """Every policy on each trace (pairs, length scale, cost curve, prompt length, max tokens).
+@dataclass(frozen=True)
+class SimSource:
+    """One trace of the simulated table: its (previous, next) pairs, the factor its lengths are
+    scaled by, the workers' cost curve, the mean prompt length, the length limit, and for a
+    synthetic trace what its next epoch was drawn from (a ``dist_oracle`` row)."""
+
+    pairs: list[tuple[list[int], list[int]]]
+    scale: float
+    cost: StepCost
+    prompt_len: float
+    max_tokens: float
+    truth: SyntheticTrace | None = None
+
+
+def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: int = 16,
+                   per_worker_prompts: int = 16) -> list[dict[str, Any]]:
+    """Every policy on each trace; on a synthetic trace also ``dist_oracle``: HistoPipe's
+    planner given each prompt's true length distribution (what the next epoch's samples were
+    drawn from, not the draw itself), the best any prediction from history could know.
 
     HistoPipe prices its prediction error, measured as a coordinator does on its last step:
     here the log error of the trace's (previous epoch -> next epoch) mean lengths."""
     rows = []
     rng = np.random.default_rng(0)
-    for source, (pairs, scale, cost, prompt_len, max_tokens) in pairs_by_source.items():
+    for name, src in sources.items():
+        pairs, scale, cost = src.pairs, src.scale, src.cost
         err = log_error_sigma([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
         for R in worker_counts:
-            true, prev = scaled_workload(pairs, R * per_worker_prompts, n, scale, rng)
+            idx = pick_prompts(len(pairs), R * per_worker_prompts, rng)
+            true, prev = scaled_workload(pairs, R * per_worker_prompts, n, scale, rng, idx)
             guess = predicted_samples(prev, [n] * len(prev))
+            plans: dict[str, tuple[list, float]] = {p: (true if p in ORACLES else guess, err) for p in POLICIES}
+            if src.truth is not None:
+                dist = [[x * scale for x in src.truth.quantiles(i, n)] for i in idx]
+                plans["dist_oracle"] = (dist, log_error_sigma([np.mean(d) for d in dist], [np.mean(t) for t in true]))
             res = {}
-            for policy in POLICIES:
+            for label, (lens, sigma) in plans.items():
                 t = time.perf_counter()
-                plan = make_plan(policy, true if policy in ORACLES else guess, R, cost=cost, max_num_seqs=256,
-                                 prompt_len=prompt_len, error_sigma=err, max_tokens=max_tokens * scale)
+                policy = "histopipe" if label == "dist_oracle" else label
+                plan = make_plan(policy, lens, R, cost=cost, max_num_seqs=256, prompt_len=src.prompt_len,
+                                 error_sigma=sigma, max_tokens=src.max_tokens * scale)
                 plan_s = time.perf_counter() - t
-                r = simulate(plan, true, int(prompt_len), cost, max_num_seqs=256)
-                res[policy] = r
-                rows.append({"source": "simulated", "trace": source, "cost": cost.name, "workers": R,
-                             "prompts": len(true), "samples": n, "policy": policy, "makespan_s": r.makespan_s,
+                r = simulate(plan, true, int(src.prompt_len), cost, max_num_seqs=256)
+                res[label] = r
+                rows.append({"source": "simulated", "trace": name, "cost": cost.name, "workers": R,
+                             "prompts": len(true), "samples": n, "policy": label, "makespan_s": r.makespan_s,
                              "bubble_fraction": r.bubble_fraction, "tok_s": r.tokens_per_s,
-                             "migrations": r.migrations, "steals": r.steals, "length_error_sigma": err,
+                             "migrations": r.migrations, "steals": r.steals, "length_error_sigma": sigma,
                              "tail_share": r.tail_share,
                              "plan_s": plan_s, "sim_wall_s": time.perf_counter() - t})
-            for row in rows[-len(POLICIES):]:
+            for row in rows[-len(plans):]:
                 row["vs_even"] = res["even"].makespan_s / row["makespan_s"]
                 row["vs_oracle"] = row["makespan_s"] / res["oracle"].makespan_s
                 row["vs_prompt_oracle"] = row["makespan_s"] / res["prompt_oracle"].makespan_s
                 row["vs_least_loaded"] = row["makespan_s"] / res["least_loaded"].makespan_s
-            print(f"  simulated {source:>12} R={R:5d}: " + ", ".join(
-                f"{p} {res[p].makespan_s:.1f}s/{res[p].bubble_fraction:.2f}" for p in POLICIES), flush=True)
+            print(f"  simulated {name:>12} R={R:5d}: " + ", ".join(
+                f"{p} {r.makespan_s:.1f}s/{r.bubble_fraction:.2f}" for p, r in res.items()), flush=True)
     return rows
 
 
@@ -399,7 +454,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     source = f"recorded ({trace_path})" if pairs else "this bench's two epochs"
     if not pairs:
         pairs, prompt_len = bench_pairs
-    sources: dict[str, tuple] = {}
+    sources: dict[str, SimSource] = {}
     corrs: dict[str, float] = {}
     if pairs:
         corrs = stat_correlations(pairs)
@@ -408,16 +463,16 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
               + ", ".join(f"{k} {v:.3f}" for k, v in corrs.items()))
         cpu = profiled_cost(_default_model(), 1)
         arith_max = float(load_config().rollout.max_tokens)
-        sources["arith_trace"] = (pairs, 1.0, cpu, prompt_len, arith_max)
-        sources["arith_trace_x64"] = (pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0, arith_max)
+        sources["arith_trace"] = SimSource(pairs, 1.0, cpu, prompt_len, arith_max)
+        sources["arith_trace_x64"] = SimSource(pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0, arith_max)
     else:
         print("no length traces of the built-in task (no main-job run, no measured steps): its rows are skipped")
     rng = np.random.default_rng(1)
-    sources.update({kind: (synthetic_pairs(kind, SYNTHETIC_PROMPTS, 16, rng), 1.0, GPU_8B_H100, 256.0,
-                           float(MAX_TOKENS))
-                    for kind in SYNTHETIC})
     for kind in SYNTHETIC:
-        print(f"trace {kind}: {rank_change_fraction(sources[kind][0]):.1%} of prompts change length rank by more "
+        truth = synthetic_trace(kind, SYNTHETIC_PROMPTS, 16, rng)
+        sources[kind] = SimSource(truth.pairs, 1.0, GPU_8B_H100, 256.0, float(MAX_TOKENS), truth)
+    for kind in SYNTHETIC:
+        print(f"trace {kind}: {rank_change_fraction(sources[kind].pairs):.1%} of prompts change length rank by more "
               f"than 20 % of the prompts between epochs (RhymeRL reports 2-4 %)")
     print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
@@ -429,5 +484,5 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
                                            "length_rank_correlation_by_stat": corrs})
 
 
-__all__ = ["SYNTHETIC", "run", "trace_pairs", "synthetic_pairs", "rank_change_fraction", "simulated_rows",
+__all__ = ["SYNTHETIC", "SimSource", "SyntheticTrace", "run", "trace_pairs", "synthetic_pairs", "synthetic_trace", "rank_change_fraction", "simulated_rows",
            "measured_rows"]
