@@ -381,6 +381,32 @@ def test_gate_recovers_after_an_epoch_without_history():
     assert all(x is not None and x.tokens[:2] == (4, 5) for x in drafts)
 
 
+def test_gate_backs_off_drafting_that_keeps_finding_nothing():
+    """Drafting work that the gate throws away step after step (a first epoch) is retried at
+    doubling intervals, not every few steps; a new rollout step tries again at once."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.engine.sequence import Sequence
+
+    table = {(b, t): 0.001 * (1 + 0.05 * (t - 1)) for b in (1, 8) for t in (1, 2, 3, 5, 9, 17)}
+    d = build_proposer(SpecConfig(sources=["prompt_history", "global_history"]))
+    d.attach_cost_model(CostModel(table))
+    asked = []
+    index = d.sources[0].indices
+    d.sources[0].indices = lambda seqs, rows: asked.append(len(rows)) or index(seqs, rows)
+    seqs = []
+    for i in range(8):
+        s = Sequence(i, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key=f"k{i}")
+        s.output_ids, s.limit = [1, 2, 3], 50
+        seqs.append(s)
+    for _ in range(100):
+        assert as_batch(d.propose(seqs)) is None
+    assert 2 <= len(asked) <= 10  # 57 without the back-off
+    d.begin(2)
+    for i in range(8):
+        d.store.add(f"k{i}", [5, 6, 7], [[1, 2, 3, 4, 5, 6, 7, 8]], step=1)
+    assert all(x is not None for x in list(d.propose(seqs)))
+
+
 @pytest.mark.parametrize("fallback", [True, False])
 def test_global_fallback_drafts_from_other_prompts(fallback):
     """A prompt without history (or without a match in it) drafts from other prompts' responses."""

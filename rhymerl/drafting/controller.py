@@ -36,6 +36,7 @@ from rhymerl.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
 MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
+MAX_WAIT = 32  # the longest a bucket waits after drafts it threw away (steps)
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
@@ -139,6 +140,11 @@ class SpecController:
         self._set_names = [{INDEX if isinstance(src, IndexSource) else src.name for src in option}
                            for option in self._source_sets]  # what each set's drafting time is charged to
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
+        # Per batch-size bucket: drafting steps in a row whose drafts the gate then threw away,
+        # and steps left to skip drafting for (doubling per discard): where drafts keep coming up
+        # too short to pay (a prompt's first epoch), the drafting work is wasted every time.
+        self._discards: dict[int, int] = {}
+        self._wait: dict[int, int] = {}
         # This step's batch, its drafts and each drafted row's (source, node probabilities): what
         # observe() reads for the rows verification scored (the engine passes the same list).
         self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any] | None = None
@@ -161,6 +167,8 @@ class SpecController:
         self.step = step
         self.overhead = StepOverhead()  # fresh measurements per rollout step
         self._fill = max(self._fill, 0.5)
+        self._discards.clear()  # drafts may pay again from a new step's history
+        self._wait.clear()
         self.acceptance.relax(0.5)
         version = getattr(self.store, "version", None)
         if version != self._store_version:  # new history: sets that read it may pay now
@@ -187,6 +195,9 @@ class SpecController:
         sources, k_pre = self.sources, self.cap
         self._option = 0
         if cfg.gate:
+            if self._wait.get(bucket, 0) > 0:
+                self._wait[bucket] -= 1
+                return self._skip(bucket)
             if any(self._guarded) and self.realized.needs_plain(B):
                 return None  # one plain step, to measure what drafting is compared with
             full = {round(self.cap * self._fill): B}
@@ -218,9 +229,15 @@ class SpecController:
         k = best_width(self.cost_model, lengths, alpha, self.max_nodes, over) if cfg.gate else self.max_nodes
         if k == 0 or batch is None:
             # The drafts found do not pay: expect less next time, so that the check above skips
-            # the drafting work until drafts may have grown (it drifts back up).
+            # the drafting work until drafts may have grown (it drifts back up), and wait before
+            # drafting again from the second time in a row on, twice as long each time (one
+            # discard is common where drafts pay; a run of them is not).
             self._fill *= 0.5
+            n = self._discards[bucket] = self._discards.get(bucket, 0) + 1
+            if n >= 2:
+                self._wait[bucket] = min(MAX_WAIT, 1 << (n - 2))
             return None
+        self._discards[bucket] = 0
         batch = batch.truncated(k)
         self._pending = (seqs, batch, names, probs)
         return batch
