@@ -167,7 +167,8 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
                                                          [float(np.mean([len(x) for x in c])) for c in cur]),
             })
     cols = ["temperature", "epoch", "gated", "method", "impl", "accepted_per_forward", "forwards_per_token",
-            "tok_s", "speedup", "speedup_min", "acceptance_rate", "draft_share", "identical_tokens", "by_source"]
+            "tok_s", "speedup", "speedup_min", "aa_noise", "acceptance_rate", "draft_share", "identical_tokens",
+            "by_source"]
     print()
     print_table(out_rows, cols)
     if sim_rows:
@@ -216,43 +217,67 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
     results: dict[str, dict[str, Any]] = {}
     walls: dict[str, list[float]] = {m: [] for m in engines}
     shares: dict[str, list[float]] = {m: [] for m in engines}
-    # Counts from each method's first timed run. Time: `reps` rounds, the methods taking turns
-    # in every round; the speed-up is the median over rounds of the ratio to no speculation in
-    # the same round (this machine's speed drifts by tens of percent within minutes: a ratio
-    # within one round is what drift leaves alone), tok/s the fastest round's.
-    for method, (llm, prop) in engines.items():
-        st = llm.engine.stats
-        b0, a0, d0, g0 = st.decode_rows, st.accepted, st.drafted, st.generated
-        src0 = dict(getattr(prop, "accepted_by_source", {}))
-        outs, wall, share = timed(llm)
-        walls[method].append(wall)
-        shares[method].append(share)
-        b1, a1, d1, g1 = st.decode_rows, st.accepted, st.drafted, st.generated
-        tokens = [[c.token_ids for c in o.outputs] for o in outs]
-        by_source = {k: v - src0.get(k, 0) for k, v in getattr(prop, "accepted_by_source", {}).items()}
-        impl = "arctic" if method.startswith("arctic") else "rhymerl"
-        rows_f = b1 - b0
-        results[method] = {"temperature": temp, "epoch": epoch, "gated": gate, "method": method, "impl": impl,
-                           "max_num_seqs": max_num_seqs,
-                           "accepted_per_forward": (rows_f + a1 - a0) / rows_f,
-                           "forwards_per_token": rows_f / (g1 - g0), "generated": g1 - g0,
-                           "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
-                           "identical_tokens": tokens == reference,
-                           "by_source": ",".join(f"{k}:{int(v)}" for k, v in sorted(by_source.items()) if v)}
-    for _ in range(reps - 1):
-        for method, (llm, _prop) in engines.items():
-            _, wall, share = timed(llm)
+    noise: list[float] = []
+    # Counts from each method's first timed run. Time: `reps` rounds; this machine's speed
+    # drifts by tens of percent within minutes, so every round times no speculation first and
+    # last, the other methods between (in reverse order every other round), and a method's
+    # speed-up is the median over rounds of the mean of the two baseline runs over its own:
+    # drift that is linear within a round cancels. The two baseline runs against each other
+    # are an A/A control (`aa_noise`: what a round can resolve). tok/s is the fastest round's.
+    others = [m for m in engines if m != "none"]
+    for r in range(reps):
+        order = others if r % 2 == 0 else others[::-1]
+        if "none" in engines:
+            order = ["none", *order, "none"]
+        base: list[float] = []
+        for method in order:
+            llm, prop = engines[method]
+            if method in results:
+                _, wall, share = timed(llm)
+            else:
+                wall, share = _first_run(llm, prop, method, results, timed, temp=temp, epoch=epoch, gate=gate,
+                                         max_num_seqs=max_num_seqs, reference=reference)
+            if method == "none":
+                base.append(wall)
+                continue
             walls[method].append(wall)
             shares[method].append(share)
+        if base:
+            walls["none"].append(sum(base) / len(base))
+            shares["none"].append(0.0)
+            noise.append(abs(1 - base[-1] / base[0]))
     out = []
     for method, res in results.items():
         res["wall_s"] = min(walls[method])
         res["tok_s"] = res.pop("generated") / res["wall_s"]
         res["draft_share"] = float(np.median(shares[method]))
         res["rounds"] = len(walls[method])
+        if noise:
+            res["aa_noise"] = float(np.median(noise))
         if "none" in results:
             res["speedup"] = float(np.median([n / w for n, w in zip(walls["none"], walls[method])]))
             res["speedup_min"] = float(min(n / w for n, w in zip(walls["none"], walls[method])))
             res["forwards_reduction"] = results["none"]["forwards_per_token"] / res["forwards_per_token"]
         out.append(res)
     return out
+
+
+def _first_run(llm: LLM, prop: Any, method: str, results: dict[str, dict[str, Any]], timed, *, temp: float,
+               epoch: int, gate: bool, max_num_seqs: int, reference: list[list[list[int]]]) -> tuple[float, float]:
+    """A method's first timed run: its machine-independent counts go into ``results``."""
+    st = llm.engine.stats
+    b0, a0, d0, g0 = st.decode_rows, st.accepted, st.drafted, st.generated
+    src0 = dict(getattr(prop, "accepted_by_source", {}))
+    outs, wall, share = timed(llm)
+    b1, a1, d1, g1 = st.decode_rows, st.accepted, st.drafted, st.generated
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    by_source = {k: v - src0.get(k, 0) for k, v in getattr(prop, "accepted_by_source", {}).items()}
+    rows_f = b1 - b0
+    results[method] = {"temperature": temp, "epoch": epoch, "gated": gate, "method": method,
+                       "impl": "arctic" if method.startswith("arctic") else "rhymerl", "max_num_seqs": max_num_seqs,
+                       "accepted_per_forward": (rows_f + a1 - a0) / rows_f,
+                       "forwards_per_token": rows_f / (g1 - g0), "generated": g1 - g0,
+                       "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
+                       "identical_tokens": tokens == reference,
+                       "by_source": ",".join(f"{k}:{int(v)}" for k, v in sorted(by_source.items()) if v)}
+    return wall, share
