@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -181,8 +182,10 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
     HistoPipe prices its prediction error, measured as a coordinator does on its last step:
     here the log error of the trace's (previous epoch -> next epoch) mean lengths."""
     rows = []
-    rng = np.random.default_rng(0)
     for name, src in sources.items():
+        # Each trace draws its workloads from its own seed: its rows do not depend on which
+        # other traces ran before it (the built-in task's exist only after a main-job run).
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
         pairs, scale, cost = src.pairs, src.scale, src.cost
         err = log_error_sigma([np.mean(p) for p, _ in pairs], [np.mean(c) for _, c in pairs])
         for R in worker_counts:
