@@ -218,8 +218,6 @@ class SpecController:
                 for s in seqs
                 for d, room in (((s.draft_len or 2) if (s.draft_len or 2) < cap else cap,
                                  s.limit - len(s.output_ids) - 1),)]
-        for src in sources:
-            src.prepare(seqs)
         batch, names, probs = self._draft(seqs, caps, sources, bucket)
         self._draft_s = time.perf_counter() - t0
         lengths = batch.lengths if batch is not None else [0] * B
@@ -272,7 +270,9 @@ class SpecController:
         cfg = self.cfg
         B = len(seqs)
         every = range(B)
-        rows = [i for i, c in enumerate(caps) if c > 0]
+        rows: list[int] = []  # rows with room to draft, for sources that answer row by row
+        if any(not isinstance(src, IndexSource) for src in sources):
+            rows = [i for i, c in enumerate(caps) if c > 0]
         options: dict[int, list[Candidate]] = {}
         cols: list[list] = []
         col_sources: list[DraftSource] = []
@@ -391,6 +391,10 @@ class SpecController:
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)
+
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        for s in self.sources:
+            s.on_admit(seqs)
 
     def on_finish(self, seq: Sequence) -> None:
         for s in self.sources:

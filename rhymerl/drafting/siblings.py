@@ -14,7 +14,7 @@ class _Live:
     index: SuffixIndex  # the prompt, then each member's prompt tail followed by its output
     members: set[int] = field(default_factory=set)  # sample indices
     finished: int = 0
-    synced: int = -1  # the step its members' tokens were last indexed at
+    synced: int = -1  # the drafting step its members' tokens were last indexed at
 
 
 _NO_KEY = object()
@@ -25,7 +25,6 @@ class SiblingSource(IndexSource):
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
         self._live: dict[object, _Live] = {}
-        self._known: dict[int, Sequence] = {}  # sequences with a place in a live index, by id (held: ids stay unique)
         self._tick = 0
 
     def key(self, s: Sequence) -> object:
@@ -35,18 +34,11 @@ class SiblingSource(IndexSource):
     def size(self, s: Sequence) -> int:
         return s.group_size or s.params.n
 
-    def prepare(self, seqs: list[Sequence]) -> None:
-        """Give new sequences a place in their live index (their tokens are indexed lazily,
-        when a draft is made, so steps the gate skips cost no indexing)."""
-        self._tick += 1
-        live_of, pm, known = self._live, self.cfg.pattern_max, self._known
-        if len(known) >= len(seqs):  # most steps admit no one: find the new ones by set difference
-            fresh = set(map(id, seqs)).difference(known)
-            if not fresh:
-                return
-            seqs = [s for s in seqs if id(s) in fresh]
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        """Give sequences entering the batch a place in their live index (their tokens are
+        indexed lazily, when a draft is made, so steps the gate skips cost no indexing)."""
+        live_of, pm = self._live, self.cfg.pattern_max
         for s in seqs:
-            known[id(s)] = s
             k = self.key(s)
             live = live_of.get(k)
             if live is None:
@@ -58,41 +50,38 @@ class SiblingSource(IndexSource):
                 # The engine grows output_ids in place: the index follows the list itself.
                 live.index.follow(live.index.add(tail, 1.0, False), s.output_ids, len(tail))
 
-    def _sync(self, live: _Live) -> None:
-        """Index what the members emitted since the last sync (once per step: every member of
-        a group drafts from the same index)."""
-        if live.synced == self._tick:
-            return
-        live.synced = self._tick
-        live.index.sync()
-
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         live = self._live.get(self.key(seq))
         if live is None:
             return None
-        self._sync(live)
+        live.index.sync()
         return live.index
 
-    def indices(self, seqs: list[Sequence], rows: list[int]) -> list[SuffixIndex | None]:
+    def indices(self, seqs: list[Sequence], rows: list[int] | range) -> list[SuffixIndex | None]:
+        """Each row's live index, with what its members emitted since the last drafting step
+        indexed (once per step: every member of a group drafts from the same index)."""
+        self._tick += 1
         live_of, key, tick, out = self._live, self.key, self._tick, []
         last_key: object = _NO_KEY
         index = None
-        for i in rows:
-            k = key(seqs[i])
+        # The whole batch (what the controller asks) without indexing it row by row.
+        picked = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
+        for s in picked:
+            k = key(s)
             if k != last_key:  # a request's samples mostly sit in neighbouring rows
                 last_key, live = k, live_of.get(k)
                 if live is None:
                     index = None
                 else:
                     if live.synced != tick:
-                        self._sync(live)
+                        live.synced = tick
+                        live.index.sync()
                     index = live.index
             out.append(index)
         return out
 
     def on_finish(self, seq: Sequence) -> None:
         """A member is done here; the live index goes once all of them are."""
-        self._known.pop(id(seq), None)
         k = self.key(seq)
         live = self._live.get(k)
         if live is not None:

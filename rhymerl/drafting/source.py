@@ -71,8 +71,8 @@ class DraftSource:
     def candidate(self, seq: "Sequence", cap: int) -> Candidate | None:
         raise NotImplementedError
 
-    def prepare(self, seqs: list["Sequence"]) -> None:
-        """Before a decode step's drafting (steps the gate skips do not call it)."""
+    def on_admit(self, seqs: list["Sequence"]) -> None:
+        """Sequences entered the running batch (new, or moved here from another worker)."""
 
     def begin(self, step: int) -> None:
         """A new rollout step starts (the history may have changed)."""

@@ -166,8 +166,9 @@ class Proposer(Protocol):
 
     Optional hooks, called when present: ``wants_cost_model`` + ``attach_cost_model(cost)``
     (the engine then measures its forward cost once at start-up), ``begin(step)`` (a new
-    rollout step starts), and ``observe_time(B, width, seconds)`` (a decode step's measured
-    time, drafting included).
+    rollout step starts), ``on_admit(seqs)`` (sequences entered the running batch, after
+    their prefill), and ``observe_time(B, width, seconds)`` (a decode step's measured time,
+    drafting included).
     """
 
     max_nodes: int  # the most draft nodes any tree may have (sizes the KV headroom)

@@ -144,6 +144,8 @@ class LLMEngine:
         if groups:
             self.runner.prefill(groups, self._cached_prompts(groups))
             self.stats.prefills += 1
+            if self.proposer is not None and hasattr(self.proposer, "on_admit"):
+                self.proposer.on_admit([s for g in groups for s in g])
             new = [s for g in groups for s in g if not s.resumed]
             self.stats.generated += len(new)
             finished += [s for s in new if self._check_stop(s, 1)]
