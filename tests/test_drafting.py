@@ -390,9 +390,8 @@ def test_gate_backs_off_drafting_that_keeps_finding_nothing():
     table = {(b, t): 0.001 * (1 + 0.05 * (t - 1)) for b in (1, 8) for t in (1, 2, 3, 5, 9, 17)}
     d = build_proposer(SpecConfig(sources=["prompt_history", "global_history"]))
     d.attach_cost_model(CostModel(table))
-    asked = []
-    index = d.sources[0].indices
-    d.sources[0].indices = lambda seqs, rows: asked.append(len(rows)) or index(seqs, rows)
+    asked = []  # drafting steps: each brings the sources' indices up to date first
+    d.sources[0].sync = lambda: asked.append(1)
     seqs = []
     for i in range(8):
         s = Sequence(i, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key=f"k{i}")
@@ -428,3 +427,31 @@ def test_global_fallback_drafts_from_other_prompts(fallback):
     d.store.add("new", [8, 9], [[11, 12, 13, 30, 31]], step=1)
     (draft,) = _rows(d.propose([s]), 1)
     assert draft is not None and draft.tokens[0] == 30
+
+
+def test_siblings_draft_from_tokens_emitted_and_requests_admitted_since_the_last_step():
+    """Live indices follow the sequences' outputs and are brought up to date once per
+    drafting step (``sync``); requests admitted later get their own."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.engine.sequence import Sequence
+
+    d = build_proposer(SpecConfig(sources=["siblings"], gate=False))
+
+    def seq(rid: int, idx: int, prompt: list[int]) -> Sequence:
+        s = Sequence(rid, idx, prompt, SamplingParams(n=2, max_tokens=50), seed=0)
+        s.limit, s.draft_len = 50, 4
+        return s
+
+    a, b = seq(0, 0, [5, 6, 7]), seq(0, 1, [5, 6, 7])
+    seqs = [a, b]
+    d.on_admit(seqs)
+    assert _rows(d.propose(seqs), 2) == [None, None]
+    a.output_ids += [10, 11, 12, 13, 14]
+    b.output_ids += [10, 11]
+    assert _rows(d.propose(seqs), 2)[1].tokens[:3] == (12, 13, 14)
+    c, e = seq(1, 0, [8, 9]), seq(1, 1, [8, 9])
+    d.on_admit([c, e])
+    seqs += [c, e]
+    c.output_ids += [20, 21, 22, 23]
+    e.output_ids += [20, 21]
+    assert _rows(d.propose(seqs), 4)[3].tokens[:2] == (22, 23)

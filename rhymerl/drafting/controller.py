@@ -282,6 +282,7 @@ class SpecController:
             t0 = time.perf_counter()
             b0 = getattr(src, "build_s", 0.0)
             if isinstance(src, IndexSource):
+                src.sync()
                 cols.append(src.indices(seqs, every))  # rows with no room are skipped by the core
                 col_sources.append(src)
                 t_index += time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0)

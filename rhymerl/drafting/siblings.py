@@ -14,7 +14,6 @@ class _Live:
     index: SuffixIndex  # the prompt, then each member's prompt tail followed by its output
     members: set[int] = field(default_factory=set)  # sample indices
     finished: int = 0
-    synced: int = -1  # the drafting step its members' tokens were last indexed at
 
 
 _NO_KEY = object()
@@ -25,7 +24,6 @@ class SiblingSource(IndexSource):
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
         self._live: dict[object, _Live] = {}
-        self._tick = 0
 
     def key(self, s: Sequence) -> object:
         """Sequences that share a live index: all samples of a request."""
@@ -57,11 +55,13 @@ class SiblingSource(IndexSource):
         live.index.sync()
         return live.index
 
+    def sync(self) -> None:
+        """Index what every live request's samples emitted since the last drafting step."""
+        for live in self._live.values():
+            live.index.sync()
+
     def indices(self, seqs: list[Sequence], rows: list[int] | range) -> list[SuffixIndex | None]:
-        """Each row's live index, with what its members emitted since the last drafting step
-        indexed (once per step: every member of a group drafts from the same index)."""
-        self._tick += 1
-        live_of, key, tick, out = self._live, self.key, self._tick, []
+        live_of, key, out = self._live, self.key, []
         last_key: object = _NO_KEY
         index = None
         # The whole batch (what the controller asks) without indexing it row by row.
@@ -70,13 +70,7 @@ class SiblingSource(IndexSource):
             k = key(s)
             if k != last_key:  # a request's samples mostly sit in neighbouring rows
                 last_key, live = k, live_of.get(k)
-                if live is None:
-                    index = None
-                else:
-                    if live.synced != tick:
-                        live.synced = tick
-                        live.index.sync()
-                    index = live.index
+                index = None if live is None else live.index
             out.append(index)
         return out
 

@@ -97,6 +97,10 @@ class IndexSource(DraftSource):
     def index_for(self, seq: "Sequence") -> SuffixIndex | None:
         raise NotImplementedError
 
+    def sync(self) -> None:
+        """Before each drafting step: bring the indices up to what the running sequences have
+        emitted (for indices that follow them)."""
+
     def indices(self, seqs: list["Sequence"], rows: list[int]) -> list[SuffixIndex | None]:
         """The index each of ``rows`` reads: what the controller matches in, for the batch at once."""
         index_for = self.index_for
