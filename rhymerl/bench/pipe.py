@@ -487,5 +487,5 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
                                            "length_rank_correlation_by_stat": corrs})
 
 
-__all__ = ["SYNTHETIC", "SimSource", "SyntheticTrace", "run", "trace_pairs", "synthetic_pairs", "synthetic_trace", "rank_change_fraction", "simulated_rows",
-           "measured_rows"]
+__all__ = ["SYNTHETIC", "SimSource", "SyntheticTrace", "measured_rows", "rank_change_fraction", "run",
+           "simulated_rows", "synthetic_pairs", "synthetic_trace", "trace_pairs"]
