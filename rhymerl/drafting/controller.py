@@ -189,10 +189,13 @@ class SpecController:
     def propose(self, seqs: list[Sequence]) -> DraftBatch | None:
         cfg = self.cfg
         B = len(seqs)
-        alpha = self.acceptance.alpha
-        over = self.overhead.factor(B)
         bucket = B.bit_length()
         self._draft_s = 0.0
+        if cfg.gate and self._wait.get(bucket, 0) > 0:  # waiting: the cheapest step there is
+            self._wait[bucket] -= 1
+            return self._skip(bucket)
+        alpha = self.acceptance.alpha
+        over = self.overhead.factor(B)
         # Before drafting anything: would drafts as full as they have recently been pay at this
         # batch size, the drafting itself (as long as each source recently took here) included,
         # and up to how many tokens? First with every source, then without the ones that run a
@@ -203,9 +206,6 @@ class SpecController:
         sources, k_pre = self.sources, self.cap
         self._option = 0
         if cfg.gate:
-            if self._wait.get(bucket, 0) > 0:
-                self._wait[bucket] -= 1
-                return self._skip(bucket)
             if self._any_guarded and self.realized.needs_plain(B):
                 return None  # one plain step, to measure what drafting is compared with
             full = {round(self.cap * self._fill): B}
