@@ -110,7 +110,10 @@ def test_pooled_and_picked_matches(impl):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seqs=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=30), min_size=1, max_size=8),
+# Short sequences over 6 tokens, or long ones over 2 (a gram with more than the 64 occurrences
+# a query visits: the newest 64, oldest first, in both).
+@given(seqs=st.lists(st.one_of(st.lists(st.integers(0, 5), min_size=0, max_size=30),
+                               st.lists(st.integers(0, 1), min_size=100, max_size=160)), min_size=1, max_size=8),
        finals=st.lists(st.booleans(), min_size=8, max_size=8),
        weights=st.lists(st.sampled_from([1.0, 0.5, 2.0, 1.25]), min_size=8, max_size=8),
        contexts=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=12), min_size=1, max_size=6),

@@ -15,7 +15,6 @@
 #include <queue>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -94,18 +93,79 @@ struct Followed {
   py::object source;
 };
 
+// Where each 3-gram ends: an open-addressing table from the gram's key to the newest of its
+// occurrences, which are chained newest to oldest in one flat vector. (A hash map of vectors
+// allocated twice per new gram: most of the live siblings' per-step indexing.)
+class GramTable {
+ public:
+  struct Entry {
+    int32_t sid, end, prev;  // prev: this gram's previous (older) occurrence, -1 at the oldest
+  };
+
+  void add(uint64_t key, int32_t sid, int32_t end) {
+    if ((used_ + 1) * 4 > slots_.size() * 3) grow();
+    Slot& s = slots_[probe(key)];
+    if (s.last < 0) {
+      s.key = key;
+      ++used_;
+    }
+    entries_.push_back({sid, end, s.last});
+    s.last = int32_t(entries_.size() - 1);
+  }
+
+  // The newest occurrence of `key` (an index into entries()), -1 if there is none.
+  int32_t newest(uint64_t key) const {
+    if (slots_.empty()) return -1;
+    return slots_[probe(key)].last;
+  }
+
+  const std::vector<Entry>& entries() const { return entries_; }
+
+ private:
+  struct Slot {
+    uint64_t key = 0;
+    int32_t last = -1;  // -1: an empty slot
+  };
+
+  static uint64_t mix(uint64_t k) {  // splitmix64's finaliser: packed ids are far from uniform
+    k ^= k >> 30;
+    k *= 0xbf58476d1ce4e5b9ULL;
+    k ^= k >> 27;
+    k *= 0x94d049bb133111ebULL;
+    return k ^ (k >> 31);
+  }
+
+  size_t probe(uint64_t key) const {  // the key's slot, or the empty one where it would go
+    const size_t mask = slots_.size() - 1;
+    size_t i = mix(key) & mask;
+    while (slots_[i].last >= 0 && slots_[i].key != key) i = (i + 1) & mask;
+    return i;
+  }
+
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(old.empty() ? 64 : old.size() * 2, Slot{});
+    for (const Slot& s : old)
+      if (s.last >= 0) slots_[probe(s.key)] = s;
+  }
+
+  std::vector<Slot> slots_;
+  std::vector<Entry> entries_;
+  size_t used_ = 0;
+};
+
 struct Index : std::enable_shared_from_this<Index> {
   std::vector<Followed> followed;  // live sequences mirrored from Python lists
   std::vector<std::vector<Tok>> seqs;
   std::vector<double> weights;
   std::vector<uint8_t> finals;  // the sequence really ended (a finished response)
-  std::unordered_map<uint64_t, std::vector<std::pair<int32_t, int32_t>>> grams;  // -> (sid, end)
+  GramTable grams;              // 3-gram -> its (sid, end) occurrences
   size_t num_tokens = 0;
 
   void index_from(int32_t sid, size_t start) {
     const auto& s = seqs[sid];
     for (size_t end = std::max(start + 1, size_t(kMinMatch)); end <= s.size(); ++end)
-      grams[gram_key(s[end - 3], s[end - 2], s[end - 1])].emplace_back(sid, int32_t(end));
+      grams.add(gram_key(s[end - 3], s[end - 2], s[end - 1]), sid, int32_t(end));
   }
 
   int32_t add(py::handle tokens, double weight, bool final) {
@@ -133,18 +193,31 @@ struct Index : std::enable_shared_from_this<Index> {
     index_from(sid, before);
   }
 
+  // Append to every followed sequence what its source list has grown by.
+  void sync() {
+    for (const auto& f : followed) {
+      size_t have = seqs[f.sid].size() - size_t(f.offset);
+      if (have < py_len(f.source)) append(f.sid, f.source, have);
+    }
+  }
+
   // Occurrences of the longest suffix of `ctx` (min_match..max_match tokens); occurrences at
   // the growing end of a live sequence (no next token yet) are left out.
   int match(const std::vector<Tok>& ctx, int max_match, int min_match, std::vector<Occ>& found) const {
     const int n = int(ctx.size());
     if (n < kMinMatch) return 0;
-    auto it = grams.find(gram_key(ctx[n - 3], ctx[n - 2], ctx[n - 1]));
-    if (it == grams.end() || it->second.empty()) return 0;
-    const auto& hits = it->second;
+    int32_t e = grams.newest(gram_key(ctx[n - 3], ctx[n - 2], ctx[n - 1]));
+    if (e < 0) return 0;
+    // The newest kMaxOccurrences occurrences, visited oldest first (first-seen order decides ties
+    // downstream, as in the reference).
+    const auto& entries = grams.entries();
+    int32_t recent[kMaxOccurrences];
+    size_t k = 0;
+    for (; e >= 0 && k < kMaxOccurrences; e = entries[size_t(e)].prev) recent[k++] = e;
     int best = 0;
-    size_t first = hits.size() > kMaxOccurrences ? hits.size() - kMaxOccurrences : 0;
-    for (size_t h = first; h < hits.size(); ++h) {
-      int32_t sid = hits[h].first, end = hits[h].second;
+    while (k > 0) {
+      const auto& hit = entries[size_t(recent[--k])];
+      int32_t sid = hit.sid, end = hit.end;
       const auto& seq = seqs[sid];
       if (size_t(end) >= seq.size() && !finals[sid]) continue;
       int m = 3;
@@ -437,12 +510,10 @@ PYBIND11_MODULE(_suffix_core, mod) {
            }, py::arg("sid"), py::arg("source"), py::arg("offset"),
            "Let sequence sid mirror the list source (grown in place elsewhere) after offset tokens of "
            "its own; sync() appends what it has grown by.")
-      .def("sync", [](Index& self) {
-             for (const auto& f : self.followed) {
-               size_t have = self.seqs[f.sid].size() - size_t(f.offset);
-               if (have < py_len(f.source)) self.append(f.sid, f.source, have);
-             }
-           }, "Append to every followed sequence what its source has grown by (one call per step).")
+      .def("sync", &Index::sync, "Append to every followed sequence what its source has grown by (one call per step).")
+      .def_static("sync_all", [](const std::vector<std::shared_ptr<Index>>& indices) {
+             for (const auto& idx : indices) idx->sync();
+           }, py::arg("indices"), "sync() of every index in one call (a decode step's live indices).")
       .def("size", [](const Index& self, int32_t sid) { self.check_sid(sid); return self.seqs[sid].size(); },
            "How many tokens sequence sid holds.")
       .def("tokens", [](const Index& self, int32_t sid) { self.check_sid(sid); return self.seqs[sid]; })

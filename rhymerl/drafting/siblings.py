@@ -57,8 +57,7 @@ class SiblingSource(IndexSource):
 
     def sync(self) -> None:
         """Index what every live request's samples emitted since the last drafting step."""
-        for live in self._live.values():
-            live.index.sync()
+        SuffixIndex.sync_all([live.index for live in self._live.values()])
 
     def indices(self, seqs: list[Sequence], rows: list[int] | range) -> list[SuffixIndex | None]:
         live_of, key, out = self._live, self.key, []

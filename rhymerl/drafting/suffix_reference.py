@@ -85,6 +85,12 @@ class SuffixIndex:
             if have < len(src):
                 self.append(sid, src, have)
 
+    @staticmethod
+    def sync_all(indices: list["SuffixIndex"]) -> None:
+        """:meth:`sync` of every index in one call (a decode step's live indices)."""
+        for idx in indices:
+            idx.sync()
+
     def size(self, sid: int) -> int:
         return len(self._seqs[sid])
 
