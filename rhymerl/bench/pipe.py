@@ -93,8 +93,15 @@ class SyntheticTrace:
     def quantiles(self, i: int, n: int) -> list[float]:
         """``n`` evenly spaced quantiles of prompt ``i``'s next-epoch distribution: the best
         prediction of its samples any history could give (it knows the distribution, not the draw)."""
-        z = np.array([NormalDist().inv_cdf((k + 0.5) / n) for k in range(n)])
-        return np.clip(self.medians[i] * np.exp(self.spread * z), 16, MAX_TOKENS).tolist()
+        return np.clip(self.medians[i] * np.exp(self.spread * _normal_quantiles(n)), 16, MAX_TOKENS).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_quantiles(n: int) -> np.ndarray:
+    """``n`` evenly spaced quantiles of the standard normal (the same for every prompt)."""
+    z = np.array([NormalDist().inv_cdf((k + 0.5) / n) for k in range(n)])
+    z.setflags(write=False)  # shared by every call
+    return z
 
 
 def synthetic_trace(kind: str, count: int, n: int, rng: np.random.Generator) -> SyntheticTrace:

@@ -167,8 +167,8 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
                                                          [float(np.mean([len(x) for x in c])) for c in cur]),
             })
     cols = ["temperature", "epoch", "gated", "method", "impl", "accepted_per_forward", "forwards_per_token",
-            "tok_s", "speedup", "speedup_min", "speedup_ci95", "aa_noise", "acceptance_rate", "draft_share", "identical_tokens",
-            "by_source"]
+            "tok_s", "speedup", "speedup_min", "speedup_ci95", "aa_noise", "acceptance_rate", "draft_share",
+            "identical_tokens", "by_source"]
     print()
     print_table(out_rows, cols)
     if sim_rows:

@@ -137,14 +137,7 @@ class SpecController:
         cheap = [s for s in sources if not s.runs_a_model]
         self._source_sets = [sources] + ([cheap] if cheap and len(cheap) < len(sources) else [])
         self._guarded = [any(src.runs_a_model for src in option) for option in self._source_sets]
-        self._any_guarded = any(self._guarded)
-        # Per-step hooks go only to the sources that implement them (every decode step and
-        # every finished sequence calls them: the no-op calls were a measurable share of a
-        # step in which nothing drafts).
-        self._builders = [src for src in sources if hasattr(src, "build_s")]
-        self._admit_hooks = [src for src in sources if _overrides(src, "on_admit")]
-        self._finish_hooks = [src for src in sources if _overrides(src, "on_finish")]
-        self._abort_hooks = [src for src in sources if _overrides(src, "on_abort") or _overrides(src, "on_finish")]
+        self._builders = [src for src in sources if hasattr(src, "build_s")]  # sources that build indices
         self._set_names = [{INDEX if isinstance(src, IndexSource) else src.name for src in option}
                            for option in self._source_sets]  # what each set's drafting time is charged to
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
@@ -206,7 +199,7 @@ class SpecController:
         sources, k_pre = self.sources, self.cap
         self._option = 0
         if cfg.gate:
-            if self._any_guarded and self.realized.needs_plain(B):
+            if any(self._guarded) and self.realized.needs_plain(B):
                 return None  # one plain step, to measure what drafting is compared with
             full = {round(self.cap * self._fill): B}
             for n, option in enumerate(self._source_sets):
@@ -291,7 +284,7 @@ class SpecController:
             b0 = getattr(src, "build_s", 0.0)
             if isinstance(src, IndexSource):
                 src.sync()
-                cols.append(src.indices(seqs, every))  # rows with no room are skipped by the core
+                cols.append(src.indices(seqs))  # rows with no room are skipped by the core
                 col_sources.append(src)
                 t_index += time.perf_counter() - t0 - (getattr(src, "build_s", 0.0) - b0)
                 continue
@@ -401,15 +394,15 @@ class SpecController:
             self.overhead.update(self.cost_model, B, width, seconds)
 
     def on_admit(self, seqs: list[Sequence]) -> None:
-        for s in self._admit_hooks:
+        for s in self.sources:
             s.on_admit(seqs)
 
     def on_finish(self, seq: Sequence) -> None:
-        for s in self._finish_hooks:
+        for s in self.sources:
             s.on_finish(seq)
 
     def on_abort(self, seq: Sequence) -> None:
-        for s in self._abort_hooks:
+        for s in self.sources:
             s.on_abort(seq)
 
     def load_source_state(self, named: dict[str, Any]) -> None:
@@ -454,11 +447,6 @@ class SpecController:
         self.realized = realized
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
-
-
-def _overrides(src: DraftSource, hook: str) -> bool:
-    """Whether a source implements ``hook`` itself (the base class's is a no-op)."""
-    return getattr(type(src), hook) is not getattr(DraftSource, hook)
 
 
 def union_tree(trees: list[tuple[DraftTree, list[float]]], budget: int) -> tuple[DraftTree, list[float]]:

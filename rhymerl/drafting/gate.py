@@ -33,8 +33,7 @@ def best_width(cost: CostModel | None, lengths: list[int] | Mapping[int, int], a
     the forward alone costs (tree bookkeeping, verification), as measured online; ``draft_s``
     is the drafting work still to be done for this step, in seconds (0 once drafts exist).
     """
-    counts = lengths if isinstance(lengths, dict) else \
-        dict(lengths) if isinstance(lengths, Mapping) else Counter(lengths)
+    counts = lengths if isinstance(lengths, Mapping) else Counter(lengths)
     B = sum(counts.values())
     if cost is None or not B:
         return max_k

@@ -60,15 +60,17 @@ class PromptHistorySource(IndexSource):
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         return None if seq.prompt_key is None else self.index(seq.prompt_key)
 
-    def indices(self, seqs: list[Sequence], rows: list[int] | range) -> list[SuffixIndex | None]:
+    def indices(self, seqs: list[Sequence]) -> list[SuffixIndex | None]:
         found: dict[str | None, SuffixIndex | None] = {None: None}  # a prompt's samples share one
         out = []
         last, index = None, None
-        for s in (seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]):
+        for s in seqs:
             key = s.prompt_key
             if key != last:  # a prompt's samples mostly sit in neighbouring rows
                 last = key
-                index = found[key] if key in found else found.setdefault(key, self.index(key))
+                if key not in found:
+                    found[key] = self.index(key)
+                index = found[key]
             out.append(index)
         return out
 
@@ -118,5 +120,5 @@ class GlobalHistorySource(IndexSource):
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         return self.index()
 
-    def indices(self, seqs: list[Sequence], rows: list[int]) -> list[SuffixIndex | None]:
-        return [self.index()] * len(rows)
+    def indices(self, seqs: list[Sequence]) -> list[SuffixIndex | None]:
+        return [self.index()] * len(seqs)

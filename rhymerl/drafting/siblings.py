@@ -59,13 +59,11 @@ class SiblingSource(IndexSource):
         """Index what every live request's samples emitted since the last drafting step."""
         SuffixIndex.sync_all([live.index for live in self._live.values()])
 
-    def indices(self, seqs: list[Sequence], rows: list[int] | range) -> list[SuffixIndex | None]:
+    def indices(self, seqs: list[Sequence]) -> list[SuffixIndex | None]:
         live_of, key, out = self._live, self.key, []
         last_key: object = _NO_KEY
         index = None
-        # The whole batch (what the controller asks) without indexing it row by row.
-        picked = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
-        for s in picked:
+        for s in seqs:
             k = key(s)
             if k != last_key:  # a request's samples mostly sit in neighbouring rows
                 last_key, live = k, live_of.get(k)

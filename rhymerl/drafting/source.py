@@ -101,10 +101,10 @@ class IndexSource(DraftSource):
         """Before each drafting step: bring the indices up to what the running sequences have
         emitted (for indices that follow them)."""
 
-    def indices(self, seqs: list["Sequence"], rows: list[int]) -> list[SuffixIndex | None]:
-        """The index each of ``rows`` reads: what the controller matches in, for the batch at once."""
+    def indices(self, seqs: list["Sequence"]) -> list[SuffixIndex | None]:
+        """The index each sequence reads: what the controller matches in, for the batch at once."""
         index_for = self.index_for
-        return [index_for(seqs[i]) for i in rows]
+        return [index_for(s) for s in seqs]
 
     def propose(self, seqs: list["Sequence"], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
         picked = [seqs[i] for i in rows]
