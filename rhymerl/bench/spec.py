@@ -24,6 +24,9 @@ from rhymerl.engine import SamplingParams
 from rhymerl.llm import LLM
 
 
+MIN_ROUNDS_CI = 5  # rounds below which a speed-up gets no confidence interval
+
+
 def _default_model() -> str:
     from rhymerl.config import load_config
     from rhymerl.training.checkpoint import latest_checkpoint
@@ -259,9 +262,11 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
             res["speedup"] = float(np.median(ratios))
             res["speedup_min"] = float(ratios.min())
             # How well the rounds pin the median down: a 95 % bootstrap interval (with many
-            # rounds it is narrower than any one round's noise).
-            boot = np.median(np.random.default_rng(0).choice(ratios, size=(1000, len(ratios))), axis=1)
-            res["speedup_ci95"] = f"{np.percentile(boot, 2.5):.3f}-{np.percentile(boot, 97.5):.3f}"
+            # rounds it is narrower than any one round's noise; with a handful it means nothing,
+            # and is left out rather than printed as a point).
+            if len(ratios) >= MIN_ROUNDS_CI:
+                boot = np.median(np.random.default_rng(0).choice(ratios, size=(1000, len(ratios))), axis=1)
+                res["speedup_ci95"] = f"{np.percentile(boot, 2.5):.3f}-{np.percentile(boot, 97.5):.3f}"
             res["forwards_reduction"] = results["none"]["forwards_per_token"] / res["forwards_per_token"]
         out.append(res)
     return out
