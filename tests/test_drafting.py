@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rhymerl import LLM, SamplingParams
 from rhymerl.drafting import HistoryStore, SuffixIndex, build_proposer
-from rhymerl.drafting.gate import AcceptanceEstimate, best_width, expected_accepted
+from rhymerl.drafting.gate import AcceptanceEstimate, best_width, expected_accepted, uniform_width
 from rhymerl.drafting.length_policy import additive, multiplicative
 from rhymerl.drafting import suffix_index, suffix_reference
 from rhymerl.engine.cost_model import CostModel
@@ -177,6 +177,17 @@ def test_gate_speculates_less_when_compute_bound():
     for _ in range(50):
         est.update([], [])  # ...then no drafts: the estimate drifts back to the prior
     assert low < 0.2 and est.alpha == pytest.approx(0.6, abs=0.05)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 128), st.integers(0, 40), st.floats(0.0, 1.0), st.sampled_from([1, 3, 8, 16, 32]),
+       st.floats(1.0, 2.0), st.floats(0.0, 0.01), st.floats(0.0, 0.6))
+def test_uniform_width_is_best_width_for_equal_drafts(B, n, alpha, max_k, overhead, draft_s, slope):
+    """The pre-drafting check's shortcut gives best_width's answer to the float."""
+    table = {(b, t): b * 1e-4 * (1 + slope * (t - 1)) + 1e-3 for b in (1, 16, 128) for t in (1, 2, 3, 5, 9, 17, 33)}
+    cost = CostModel(table)
+    assert uniform_width(cost, B, n, alpha, max_k, overhead, draft_s) == \
+        best_width(cost, [n] * B, alpha, max_k, overhead, draft_s)
 
 
 def test_cost_tables_are_measured_once_per_process_and_key():

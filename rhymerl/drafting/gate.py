@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Mapping
 
 from rhymerl.engine.cost_model import CostModel
 
@@ -24,17 +23,17 @@ def expected_accepted(alpha: float, k: int) -> float:
     return alpha * (1 - alpha**k) / (1 - alpha)
 
 
-def best_width(cost: CostModel | None, lengths: list[int] | Mapping[int, int], alpha: float, max_k: int,
+def best_width(cost: CostModel | None, lengths: list[int], alpha: float, max_k: int,
                overhead: float = 1.0, draft_s: float = 0.0) -> int:
     """The per-row draft cap ``k`` that maximises tokens per second for drafts of ``lengths``
-    (one per row, or a mapping length -> how many rows).
+    (one per row).
 
     ``overhead`` scales the cost of a speculative step relative to a plain one beyond what
     the forward alone costs (tree bookkeeping, verification), as measured online; ``draft_s``
     is the drafting work still to be done for this step, in seconds (0 once drafts exist).
     """
-    counts = lengths if isinstance(lengths, Mapping) else Counter(lengths)
-    B = sum(counts.values())
+    counts = Counter(lengths)
+    B = len(lengths)
     if cost is None or not B:
         return max_k
     top = max(counts)
@@ -59,6 +58,35 @@ def best_width(cost: CostModel | None, lengths: list[int] | Mapping[int, int], a
         rate = gain / (cost.cost(B, min(k, top) + 1) * overhead + draft_s)
         if rate > best_rate * 1.02:  # a margin: do not speculate for a rounding error
             best_k, best_rate = k, rate
+    return best_k
+
+
+def uniform_width(cost: CostModel | None, B: int, n: int, alpha: float, max_k: int, overhead: float = 1.0,
+                  draft_s: float = 0.0) -> int:
+    """:func:`best_width` for ``B`` rows whose drafts are all ``n`` long (the same answer).
+
+    The gate asks this before drafting, on every step; most steps of a first epoch then skip,
+    and a step that skips must cost next to nothing, so this is a few operations per candidate
+    (no per-row work): beyond ``n`` tokens a wider cap gains nothing, so the search stops there."""
+    if cost is None or not B:
+        return max_k
+    best_k, best_rate = 0, B / cost.cost(B, 1)
+    f, power, m = 0.0, 1.0, 0  # f(m) = a + a^2 + ... + a^m
+    for k in CANDIDATES:
+        if k == 0:
+            continue
+        if k > max_k:
+            break
+        depth = k if k < n else n
+        while m < depth:
+            m += 1
+            power *= alpha
+            f += power
+        rate = (B + f * B) / (cost.cost(B, depth + 1) * overhead + draft_s)
+        if rate > best_rate * 1.02:  # the same margin as best_width
+            best_k, best_rate = k, rate
+        if k >= n:
+            break
     return best_k
 
 
@@ -110,6 +138,15 @@ class StepOverhead:
         table = self.plain if width <= 1 else self.spec
         b = B.bit_length()
         table[b] = ratio if b not in table else self.decay * table[b] + (1 - self.decay) * ratio
+
+    def relax(self, frac: float) -> None:
+        """Move each bucket's speculative ratio ``frac`` of the way to its plain one: a factor
+        measured high (a slow patch of the machine) must not keep speculation off for good,
+        since a bucket that stops speculating stops measuring it."""
+        for b, spec in self.spec.items():
+            plain = self.plain.get(b)
+            if plain is not None:
+                self.spec[b] = spec + frac * (plain - spec)
 
     def factor(self, B: int) -> float:
         b = B.bit_length()
