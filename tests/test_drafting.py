@@ -420,6 +420,52 @@ def test_gate_backs_off_drafting_that_keeps_finding_nothing():
     assert all(x is not None for x in list(d.propose(seqs)))
 
 
+def test_quiet_steps_after_a_no_cost_nothing_and_are_accounted_for_at_once():
+    """Where the check before drafting says no, the next QUIET steps at that batch size do no
+    gate work and are not measured; what they would have drifted is applied when the gate
+    looks again (as many single steps would have), and another batch size looks at once."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.drafting.controller import QUIET
+    from rhymerl.engine.sequence import Sequence
+
+    table = {(b, t): 0.001 * b * (1 + 0.9 * (t - 1)) for b in (1, 8) for t in (1, 2, 3, 5, 9, 17)}
+    d = build_proposer(SpecConfig(sources=["prompt_history"]))
+    d.attach_cost_model(CostModel(table))  # verification dear: the check says no
+    seqs = []
+    for i in range(8):
+        s = Sequence(i, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key=f"k{i}")
+        s.output_ids, s.limit = [1, 2, 3], 50
+        seqs.append(s)
+    d.begin(1)
+    d.acceptance.succ, d.acceptance.fail = 0.5, 3.5  # a first epoch's poor acceptance...
+    d._fill = 0.25  # ...and short drafts
+    measured = []
+    d.realized.update = lambda *a, **k: measured.append(a[1])
+    assert as_batch(d.propose(seqs)) is None and d._quiet == QUIET
+    d.observe(seqs, [0] * 8, [0] * 8)
+    d.observe_time(8, 1, 0.01)
+    fill, alpha = d._fill, d.acceptance.alpha
+    for _ in range(QUIET):
+        assert as_batch(d.propose(seqs)) is None
+        d.observe(seqs, [0] * 8, [0] * 8)
+        d.observe_time(8, 1, 0.01)
+    assert measured == [8] and d._idle == QUIET and (d._fill, d.acceptance.alpha) == (fill, alpha)
+    succ, fail = d.acceptance.succ, d.acceptance.fail
+    d._wake()
+    one = build_proposer(SpecConfig(sources=["prompt_history"]))  # the same steps one at a time
+    one._fill, one.acceptance.succ, one.acceptance.fail = fill, succ, fail
+    for _ in range(QUIET):
+        one._skip(4)
+        one.acceptance.add(0, 0)
+    assert d._fill == pytest.approx(one._fill, rel=1e-12) and d._fill > fill
+    assert d.acceptance.alpha == pytest.approx(one.acceptance.alpha, rel=1e-12) and d.acceptance.alpha > alpha
+    d.propose(seqs)
+    d.observe(seqs, [0] * 8, [0] * 8)
+    d.observe_time(8, 1, 0.01)
+    assert measured == [8, 8]  # awake: measured again
+    assert as_batch(d.propose(seqs[:4])) is None and d._idle == 0  # another batch size: a look at once
+
+
 @pytest.mark.parametrize("fallback", [True, False])
 def test_global_fallback_drafts_from_other_prompts(fallback):
     """A prompt without history (or without a match in it) drafts from other prompts' responses."""

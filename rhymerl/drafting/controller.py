@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
 MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
 MAX_WAIT = 32  # the longest a bucket waits after drafts it threw away (steps)
+QUIET = 4  # steps without drafting, at one batch size, after the check before drafting said no
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
@@ -146,6 +147,19 @@ class SpecController:
         # too short to pay (a prompt's first epoch), the drafting work is wasted every time.
         self._discards: dict[int, int] = {}
         self._wait: dict[int, int] = {}
+        # Quiet steps: where drafting cannot pay (waiting, or for QUIET steps at the batch size
+        # where the check before drafting said no) a step does nothing else, and is not
+        # measured (observe and observe_time return at once): on the small test model a step
+        # is 2 ms, and the per-step bookkeeping was 1-1.5 % of a first epoch's rollout. What
+        # each such step would have changed (the drift back of `_skip`, the acceptance
+        # estimate's pull to its prior) is applied for all of them when drafting is considered
+        # again (`_wake`). Plain decoding's measurement does not age over them: counted as
+        # older, it was too old to judge drafting against after a long wait, and drafting that
+        # measured dearer than plain was no longer held off (twice the drafting attempts).
+        self._quiet = 0
+        self._quiet_b = 0  # the batch size the quiet steps hold for
+        self._idle = 0  # quiet steps not yet accounted for, in bucket _idle_bucket
+        self._idle_bucket = 0
         # This step's batch, its drafts and each drafted row's (source, node probabilities): what
         # observe() reads for the rows verification scored (the engine passes the same list).
         self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any] | None = None
@@ -172,6 +186,8 @@ class SpecController:
         forward's cost alone, about half of what they cost at the drained tail's batch of 4:
         in a first epoch 6.7 fruitless verifications a rollout instead of 0.9, 1 % of its time.)"""
         self.step = step
+        self._wake()
+        self._quiet = 0
         self.overhead.relax(0.5)
         self._fill = max(self._fill, 0.5)
         self._discards.clear()  # drafts may pay again from a new step's history
@@ -190,9 +206,15 @@ class SpecController:
         B = len(seqs)
         bucket = B.bit_length()
         self._draft_s = 0.0
-        if cfg.gate and self._wait.get(bucket, 0) > 0:  # waiting: the cheapest step there is
-            self._wait[bucket] -= 1
-            return self._skip(bucket)
+        if cfg.gate:  # quiet steps first: the cheapest there are
+            if self._wait.get(bucket, 0) > 0:
+                self._wait[bucket] -= 1
+                return self._rest(bucket)
+            if self._quiet > 0 and B == self._quiet_b:
+                self._quiet -= 1
+                return self._rest(bucket)
+            if self._idle:
+                self._wake()
         alpha = self.acceptance.alpha
         over = self.overhead.factor(B)
         # Before drafting anything: would drafts as full as they have recently been pay at this
@@ -216,6 +238,7 @@ class SpecController:
                     sources, self._option = option, n
                     break
             else:
+                self._quiet, self._quiet_b = QUIET, B
                 return self._skip(bucket)
         t0 = time.perf_counter()
         cap = min(self.cap, k_pre)
@@ -247,14 +270,30 @@ class SpecController:
         self._pending = (seqs, batch, names, probs)
         return batch
 
-    def _skip(self, bucket: int) -> None:
-        """No drafts this step. Drift back (fuller drafts, cheaper drafting), so that skipping
-        is not permanent: a cost measured once, when drafting was slow, must not switch it off
-        for good."""
-        self._fill = 0.95 * self._fill + 0.05
+    def _skip(self, bucket: int, steps: int = 1) -> None:
+        """No drafts for ``steps`` steps. Drift back (fuller drafts, cheaper drafting), so that
+        skipping is not permanent: a cost measured once, when drafting was slow, must not
+        switch it off for good."""
+        keep = 0.95**steps
+        self._fill = 1.0 - (1.0 - self._fill) * keep
         for key in [k for k in self.draft_cost if k[0] == bucket]:
-            self.draft_cost[key] *= 0.95
+            self.draft_cost[key] *= keep
         return None
+
+    def _rest(self, bucket: int) -> None:
+        """A quiet step in ``bucket`` (see ``_quiet``)."""
+        if self._idle and bucket != self._idle_bucket:
+            self._wake()
+        self._idle += 1
+        self._idle_bucket = bucket
+        return None
+
+    def _wake(self) -> None:
+        """Account for the quiet steps since the last one that was not."""
+        n, self._idle = self._idle, 0
+        if n:
+            self._skip(self._idle_bucket, n)
+            self.acceptance.idle(n)
 
     def _draft_seconds(self, bucket: int, option: int) -> float:
         """Recent drafting time of source set ``option`` at this batch size (the index sources as one)."""
@@ -351,6 +390,8 @@ class SpecController:
                 [c[2] if c is not None else None for c in chosen])
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
+        if self._idle:  # a quiet step: accounted for by _wake
+            return
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not seqs:  # nothing drafted this step (or not this batch)
             self._emitted = len(seqs)
@@ -384,6 +425,8 @@ class SpecController:
     def observe_time(self, B: int, width: int, seconds: float) -> None:
         """The engine's measured time of one decode step (drafting included), less the
         one-off cost of building indices this step (amortised over the whole rollout)."""
+        if self._idle:  # a quiet step: not measured
+            return
         build = 0.0
         for s in self._builders:
             build += s.build_s
@@ -420,6 +463,7 @@ class SpecController:
     def gate_state(self) -> dict:
         """What the gate has learnt (acceptance, measured overheads, draft fill, and the cost
         model measured at start-up), as plain data: a resumed run drafts as this one would."""
+        self._wake()
         return {"acceptance": [self.acceptance.succ, self.acceptance.fail],
                 "overhead": {"plain": sorted(self.overhead.plain.items()), "spec": sorted(self.overhead.spec.items())},
                 "fill": self._fill,

@@ -112,6 +112,10 @@ class AcceptanceEstimate:
         self.succ += successes
         self.fail += failures
 
+    def idle(self, steps: int) -> None:
+        """``steps`` steps without drafts at once: the same as ``add(0, 0)`` that many times."""
+        self.relax(1 - self.decay**steps)
+
     def relax(self, frac: float) -> None:
         """Move ``frac`` of the way back to the prior."""
         self.succ += frac * (self.prior * self.prior_weight - self.succ)
