@@ -142,11 +142,15 @@ class SpecController:
         self._set_names = [{INDEX if isinstance(src, IndexSource) else src.name for src in option}
                            for option in self._source_sets]  # what each set's drafting time is charged to
         self._draft_s = 0.0  # this step's drafting, kept out of the step-overhead measurement
-        # Per batch-size bucket: drafting steps in a row whose drafts the gate then threw away,
-        # and steps left to skip drafting for (doubling per discard): where drafts keep coming up
-        # too short to pay (a prompt's first epoch), the drafting work is wasted every time.
-        self._discards: dict[int, int] = {}
-        self._wait: dict[int, int] = {}
+        # Drafting steps in a row whose drafts the gate then threw away, the batch size when the
+        # run began, and steps left to skip drafting for (doubling per discard): where drafts keep
+        # coming up too short to pay (a prompt's first epoch), the drafting work is wasted every
+        # time. A run is forgotten once the batch has halved since it began (smaller batches
+        # verify more cheaply). (Kept per power-of-two bucket before, the drained batch started a
+        # new run at 127 rows, after 128's: 9 fruitless tries between 127 and 51 rows a rollout.)
+        self._discards = 0
+        self._discard_b = 0
+        self._wait = 0
         # Quiet steps: where drafting cannot pay (waiting, or for QUIET steps at the batch size
         # where the check before drafting said no) a step does nothing else, and is not
         # measured (observe and observe_time return at once): on the small test model a step
@@ -190,8 +194,7 @@ class SpecController:
         self._quiet = 0
         self.overhead.relax(0.5)
         self._fill = max(self._fill, 0.5)
-        self._discards.clear()  # drafts may pay again from a new step's history
-        self._wait.clear()
+        self._discards = self._wait = 0  # drafts may pay again from a new step's history
         self.acceptance.relax(0.5)
         version = getattr(self.store, "version", None)
         if version != self._store_version:  # new history: sets that read it may pay now
@@ -207,8 +210,10 @@ class SpecController:
         bucket = B.bit_length()
         self._draft_s = 0.0
         if cfg.gate:  # quiet steps first: the cheapest there are
-            if self._wait.get(bucket, 0) > 0:
-                self._wait[bucket] -= 1
+            if self._discards and 2 * B <= self._discard_b:
+                self._discards = self._wait = 0
+            if self._wait > 0:
+                self._wait -= 1
                 return self._rest(bucket)
             if self._quiet > 0 and B == self._quiet_b:
                 self._quiet -= 1
@@ -261,11 +266,13 @@ class SpecController:
             # drafting again from the second time in a row on, twice as long each time (one
             # discard is common where drafts pay; a run of them is not).
             self._fill *= 0.5
-            n = self._discards[bucket] = self._discards.get(bucket, 0) + 1
+            if not self._discards:
+                self._discard_b = B
+            n = self._discards = self._discards + 1
             if n >= 2:
-                self._wait[bucket] = min(MAX_WAIT, 1 << (n - 2))
+                self._wait = min(MAX_WAIT, 1 << (n - 2))
             return None
-        self._discards[bucket] = 0
+        self._discards = 0
         batch = batch.truncated(k)
         self._pending = (seqs, batch, names, probs)
         return batch
