@@ -36,7 +36,7 @@ from rhymerl.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
 MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
-MAX_WAIT = 32  # the longest a bucket waits after drafts it threw away (steps)
+MAX_WAIT = 32  # the longest the gate waits after drafts it threw away (steps)
 QUIET = 4  # steps without drafting, at one batch size, after the check before drafting said no
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
