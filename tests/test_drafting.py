@@ -234,6 +234,9 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     assert r.allows(16, 1) and r.allows(128, 0)  # ...that set, in that bucket only
     r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # confirmed: the hold doubles (to the cap)
     assert [r.allows(16, 0) for _ in range(5)] == [False] * 4 + [True]
+    r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # held for 4 steps again...
+    r.skip(16, 3)  # ...three of them quiet ones (the gate asked no set)
+    assert [r.allows(16, 0) for _ in range(2)] == [False, True]
     r.update(cost, 16, 40, 0.016 * 2.0, option=0)  # 0.8 per token: cheaper, no hold
     assert r.allows(16, 0)
     r.update(cost, 16, 40, 0.016 * 3.0, option=0)

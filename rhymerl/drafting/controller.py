@@ -301,6 +301,7 @@ class SpecController:
         if n:
             self._skip(self._idle_bucket, n)
             self.acceptance.idle(n)
+            self.realized.skip(1 << (self._idle_bucket - 1), n)  # holds are in steps, quiet ones too
 
     def _draft_seconds(self, bucket: int, option: int) -> float:
         """Recent drafting time of source set ``option`` at this batch size (the index sources as one)."""

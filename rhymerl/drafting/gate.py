@@ -240,6 +240,13 @@ class RealizedCost:
         drafting_here = any(k[0] == b for k in self.spec)
         return drafting_here and (b not in self.plain or self._age.get(b, 0) > self.max_age)
 
+    def skip(self, B: int, steps: int) -> None:
+        """``steps`` steps in ``B``'s bucket on which no set was asked (the gate's quiet steps):
+        they count toward every hold there, as steps the gate asked on do."""
+        b = B.bit_length()
+        for key in [k for k in self._hold if k[0] == b]:
+            self._hold[key] = max(0, self._hold[key] - steps)
+
     def allows(self, B: int, option: int) -> bool:
         """Whether source set ``option`` may draft at this batch size; a held call counts down."""
         key = (B.bit_length(), option)
