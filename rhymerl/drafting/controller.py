@@ -162,8 +162,8 @@ class SpecController:
         # measured dearer than plain was no longer held off (twice the drafting attempts).
         self._quiet = 0
         self._quiet_b = 0  # the batch size the quiet steps hold for
-        self._idle = 0  # quiet steps not yet accounted for, in bucket _idle_bucket
-        self._idle_bucket = 0
+        self._idle = 0  # quiet steps not yet accounted for, at batch sizes in _idle_b's bucket
+        self._idle_b = 1
         # This step's batch, its drafts and each drafted row's (source, node probabilities): what
         # observe() reads for the rows verification scored (the engine passes the same list).
         self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any] | None = None
@@ -214,10 +214,10 @@ class SpecController:
                 self._discards = self._wait = 0
             if self._wait > 0:
                 self._wait -= 1
-                return self._rest(bucket)
+                return self._rest(B)
             if self._quiet > 0 and B == self._quiet_b:
                 self._quiet -= 1
-                return self._rest(bucket)
+                return self._rest(B)
             if self._idle:
                 self._wake()
         alpha = self.acceptance.alpha
@@ -287,21 +287,21 @@ class SpecController:
             self.draft_cost[key] *= keep
         return None
 
-    def _rest(self, bucket: int) -> None:
-        """A quiet step in ``bucket`` (see ``_quiet``)."""
-        if self._idle and bucket != self._idle_bucket:
+    def _rest(self, B: int) -> None:
+        """A quiet step at batch size ``B`` (see ``_quiet``)."""
+        if self._idle and B.bit_length() != self._idle_b.bit_length():
             self._wake()
         self._idle += 1
-        self._idle_bucket = bucket
+        self._idle_b = B
         return None
 
     def _wake(self) -> None:
         """Account for the quiet steps since the last one that was not."""
         n, self._idle = self._idle, 0
         if n:
-            self._skip(self._idle_bucket, n)
+            self._skip(self._idle_b.bit_length(), n)
             self.acceptance.idle(n)
-            self.realized.skip(1 << (self._idle_bucket - 1), n)  # holds are in steps, quiet ones too
+            self.realized.skip(self._idle_b, n)  # holds are in steps, quiet ones too
 
     def _draft_seconds(self, bucket: int, option: int) -> float:
         """Recent drafting time of source set ``option`` at this batch size (the index sources as one)."""
