@@ -518,3 +518,47 @@ def test_siblings_draft_from_tokens_emitted_and_requests_admitted_since_the_last
     c.output_ids += [20, 21, 22, 23]
     e.output_ids += [20, 21]
     assert _rows(d.propose(seqs), 4)[3].tokens[:2] == (22, 23)
+
+
+def test_a_situation_where_drafting_did_not_pay_sleeps_but_one_rollout_in_probe_every():
+    """Across rollouts: where drafting was tried and accepted under UNPAID_SHARE of the tokens
+    (a prompt's first epoch, siblings alone), the next rollouts in the same situation draft
+    nothing and skip the sources' bookkeeping, except one in PROBE_EVERY; history for the
+    prompt makes another situation (awake), and the memory survives a checkpoint."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.drafting.controller import PROBE_EVERY, UNPAID_TRIES
+    from rhymerl.engine.sequence import Sequence
+
+    d = build_proposer(SpecConfig(sources=["prompt_history", "siblings"]))
+    siblings = d.sources[1]
+
+    def rollout(step: int, tries: int, accepted: int) -> bool:
+        d.begin(step)
+        seqs = []
+        for i in range(4):
+            s = Sequence(step, i, [5, 6, 7], SamplingParams(n=4, max_tokens=50), seed=i, prompt_key="p")
+            s.output_ids, s.limit = [1, 2, 3], 50
+            seqs.append(s)
+        d.on_admit(seqs)
+        dormant = d._dormant
+        assert (siblings._live == {}) == dormant  # a dormant rollout's sequences are not indexed
+        if dormant:
+            assert as_batch(d.propose(seqs)) is None and d._rows == 0
+        else:  # what the rollout's drafting came to
+            d._tries, d._rows, d._accepted = tries, 1000, accepted
+        for s in seqs:
+            d.on_finish(s)
+        assert siblings._live == {}
+        return dormant
+
+    assert not rollout(1, UNPAID_TRIES, 9)  # tried, under 1 % accepted
+    slept = [rollout(2 + i, UNPAID_TRIES, 9) for i in range(2 * PROBE_EVERY)]
+    assert slept == ([True] * (PROBE_EVERY - 1) + [False]) * 2
+    state = d.gate_state()
+    d.store.add("p", [5, 6, 7], [[1, 2, 3, 4]], step=1)  # the prompt's own history: another situation
+    assert not rollout(20, UNPAID_TRIES, 200)
+    assert not rollout(21, UNPAID_TRIES, 9)  # tried there, and it did not pay either...
+    assert rollout(22, 0, 0)  # ...so that one sleeps too
+    fresh = build_proposer(SpecConfig(sources=["prompt_history", "siblings"]))
+    fresh.load_gate_state(state)
+    assert fresh._unpaid == {("siblings",): 0}

@@ -38,6 +38,9 @@ FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (i
 MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
 MAX_WAIT = 32  # the longest the gate waits after drafts it threw away (steps)
 QUIET = 4  # steps without drafting, at one batch size, after the check before drafting said no
+PROBE_EVERY = 4  # where drafting did not pay, one rollout in this many drafts again (to see whether it does now)
+UNPAID_SHARE = 0.01  # drafting "did not pay" in a rollout that tried it and got less than this share of its tokens
+UNPAID_TRIES = 4  # ... from at least this many drafting attempts (fewer: the gate held off, nothing was learnt)
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
@@ -167,6 +170,20 @@ class SpecController:
         # This step's batch, its drafts and each drafted row's (source, node probabilities): what
         # observe() reads for the rows verification scored (the engine passes the same list).
         self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any] | None = None
+        # Memory across rollouts. Within one, the gate learns only from its own steps, so a
+        # prompt's first epoch (no history of its own: siblings alone draft, and on this
+        # machine's measurements they do not pay) paid for the same fruitless exploration in
+        # every rollout (17-19 drafting attempts, 2-3 % of it at batch 64). Which sources have
+        # anything to offer (their `available`) is the rollout's situation; where drafting did
+        # not pay in the last rollout that tried it in the same situation, a rollout is dormant
+        # (no drafting and no source bookkeeping, as if speculation were off) except one in
+        # PROBE_EVERY, which tries again.
+        self._unpaid: dict[tuple[str, ...], int] = {}  # situation -> dormant rollouts since it was last tried
+        self._situation: tuple[str, ...] | None = None  # this rollout's, from what was admitted
+        self._dormant = False
+        self._tries = 0  # this rollout's drafting attempts, decoded rows and accepted tokens
+        self._rows = 0
+        self._accepted = 0
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
 
@@ -190,6 +207,7 @@ class SpecController:
         forward's cost alone, about half of what they cost at the drained tail's batch of 4:
         in a first epoch 6.7 fruitless verifications a rollout instead of 0.9, 1 % of its time.)"""
         self.step = step
+        self._settle()
         self._wake()
         self._quiet = 0
         self.overhead.relax(0.5)
@@ -205,10 +223,13 @@ class SpecController:
             s.begin(step)
 
     def propose(self, seqs: list[Sequence]) -> DraftBatch | None:
+        self._draft_s = 0.0
+        if self._dormant:
+            return None
         cfg = self.cfg
         B = len(seqs)
         bucket = B.bit_length()
-        self._draft_s = 0.0
+        self._rows += B
         if cfg.gate:  # quiet steps first: the cheapest there are
             if self._discards and 2 * B <= self._discard_b:
                 self._discards = self._wait = 0
@@ -245,6 +266,7 @@ class SpecController:
             else:
                 self._quiet, self._quiet_b = QUIET, B
                 return self._skip(bucket)
+        self._tries += 1
         t0 = time.perf_counter()
         cap = min(self.cap, k_pre)
         # Each row's draft length within the cap and the room it has left (comparisons, not
@@ -276,6 +298,36 @@ class SpecController:
         batch = batch.truncated(k)
         self._pending = (seqs, batch, names, probs)
         return batch
+
+    def _settle(self) -> None:
+        """The rollout that ended: remember whether drafting paid in its situation."""
+        sit, self._situation = self._situation, None
+        if sit is not None and not self._dormant:
+            if self._tries >= UNPAID_TRIES and self._accepted < UNPAID_SHARE * (self._rows + self._accepted):
+                self._unpaid[sit] = 0
+            elif self._tries >= UNPAID_TRIES:
+                self._unpaid.pop(sit, None)
+        self._dormant = False
+        self._tries = self._rows = self._accepted = 0
+
+    def _enter(self, seqs: list[Sequence]) -> None:
+        """Sequences were admitted: this rollout's situation, and whether it sleeps. The first
+        admission decides; a later one with more sources available may wake it (never the
+        reverse: sources that saw a sequence admitted must see it finish)."""
+        have = tuple(src.name for src in self.sources if src.available(seqs))
+        if self._situation is None:
+            self._situation = have
+        elif not set(have) - set(self._situation):
+            return
+        else:
+            self._situation = tuple(src.name for src in self.sources
+                                    if src.name in have or src.name in self._situation)
+            if not self._dormant:
+                return
+        slept = self._unpaid.get(self._situation)
+        self._dormant = slept is not None and slept + 1 < PROBE_EVERY
+        if slept is not None:
+            self._unpaid[self._situation] = slept + 1 if self._dormant else 0
 
     def _skip(self, bucket: int, steps: int = 1) -> None:
         """No drafts for ``steps`` steps. Drift back (fuller drafts, cheaper drafting), so that
@@ -398,7 +450,7 @@ class SpecController:
                 [c[2] if c is not None else None for c in chosen])
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
-        if self._idle:  # a quiet step: accounted for by _wake
+        if self._idle or self._dormant:  # a quiet step (accounted for by _wake), or a dormant rollout
             return
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not seqs:  # nothing drafted this step (or not this batch)
@@ -429,11 +481,12 @@ class SpecController:
         self.accepted_by_source.update(acc_by)
         self.drafted_by_source.update(drafted_by)
         self.acceptance.add(succ, fail)
+        self._accepted += succ
 
     def observe_time(self, B: int, width: int, seconds: float) -> None:
         """The engine's measured time of one decode step (drafting included), less the
         one-off cost of building indices this step (amortised over the whole rollout)."""
-        if self._idle:  # a quiet step: not measured
+        if self._idle or self._dormant:  # a quiet step or a dormant rollout: not measured
             return
         build = 0.0
         for s in self._builders:
@@ -451,10 +504,16 @@ class SpecController:
             self.overhead.update(self.cost_model, B, width, seconds)
 
     def on_admit(self, seqs: list[Sequence]) -> None:
+        if self.cfg.gate:
+            self._enter(seqs)
+            if self._dormant:
+                return
         for s in self.sources:
             s.on_admit(seqs)
 
     def on_finish(self, seq: Sequence) -> None:
+        if self._dormant:  # admitted while dormant: the sources never saw it
+            return
         for s in self.sources:
             s.on_finish(seq)
 
@@ -478,6 +537,9 @@ class SpecController:
                 "calibration": sorted(self.calibration.ratio.items()),
                 "draft_cost": sorted([b, n, v] for (b, n), v in self.draft_cost.items()),
                 "realized": self.realized.state(),
+                "unpaid": sorted([list(sit), n] for sit, n in self._unpaid.items()),
+                "rollout": [None if self._situation is None else list(self._situation), self._dormant,
+                            self._tries, self._rows, self._accepted],
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
@@ -492,6 +554,10 @@ class SpecController:
             dcost = {(int(b), str(n)): float(v) for b, n, v in state.get("draft_cost", [])}
             realized = RealizedCost()
             realized.load(state.get("realized", {}))
+            unpaid = {tuple(str(x) for x in sit): int(n) for sit, n in state.get("unpaid", [])}
+            sit, dormant, tries, rows, accepted = state.get("rollout", [None, False, 0, 0, 0])
+            sit = None if sit is None else tuple(str(x) for x in sit)
+            dormant, tries, rows, accepted = bool(dormant), int(tries), int(rows), int(accepted)
             cost = None if state.get("cost") is None else \
                 CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
         except (KeyError, TypeError, ValueError) as e:
@@ -503,6 +569,8 @@ class SpecController:
         self.calibration.ratio = calib
         self.draft_cost = dcost
         self.realized = realized
+        self._unpaid = unpaid
+        self._situation, self._dormant, self._tries, self._rows, self._accepted = sit, dormant, tries, rows, accepted
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
 

@@ -60,6 +60,14 @@ class PromptHistorySource(IndexSource):
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         return None if seq.prompt_key is None else self.index(seq.prompt_key)
 
+    def available(self, seqs: list[Sequence]) -> bool:
+        prompts = self.store.prompts if self.store is not None else {}
+        for s in seqs:
+            h = prompts.get(s.prompt_key) if s.prompt_key is not None else None
+            if h is not None and h.rollouts:
+                return True
+        return False
+
     def indices(self, seqs: list[Sequence]) -> list[SuffixIndex | None]:
         found: dict[str | None, SuffixIndex | None] = {None: None}  # a prompt's samples share one
         out = []
@@ -119,6 +127,9 @@ class GlobalHistorySource(IndexSource):
 
     def index_for(self, seq: Sequence) -> SuffixIndex | None:
         return self.index()
+
+    def available(self, seqs: list[Sequence]) -> bool:
+        return self.store is not None and self.store.total_tokens > 0
 
     def indices(self, seqs: list[Sequence]) -> list[SuffixIndex | None]:
         return [self.index()] * len(seqs)

@@ -71,6 +71,12 @@ class DraftSource:
     def candidate(self, seq: "Sequence", cap: int) -> Candidate | None:
         raise NotImplementedError
 
+    def available(self, seqs: list["Sequence"]) -> bool:
+        """Whether this source may have drafts for ``seqs`` at all, answered cheaply (no index
+        built). The gate remembers across rollouts whether drafting paid, keyed on which
+        sources are available: a prompt's first epoch (no history of its own) is not its third."""
+        return True
+
     def on_admit(self, seqs: list["Sequence"]) -> None:
         """Sequences entered the running batch (new, or moved here from another worker)."""
 
