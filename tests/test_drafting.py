@@ -562,3 +562,22 @@ def test_a_situation_where_drafting_did_not_pay_sleeps_but_one_rollout_in_probe_
     fresh = build_proposer(SpecConfig(sources=["prompt_history", "siblings"]))
     fresh.load_gate_state(state)
     assert fresh._unpaid == {("siblings",): 0}
+
+
+def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidence():
+    """A batch size never verified at plans above the global estimate (so it is tried once);
+    its own evidence then decides, whatever the other batch sizes accepted; a rollout step
+    forgets half of it."""
+    from rhymerl.drafting.gate import BucketAcceptance
+
+    b = BucketAcceptance()
+    b.add(3, 60, 40)  # the drained tail: 0.6
+    assert b.alpha(8, 0.6) > 0.8  # the full batch, never measured: tried
+    b.add(8, 930, 70)  # ...where drafts turn out to be accepted at 0.93
+    assert 0.92 < b.alpha(8, 0.6) < 0.95
+    assert b.alpha(3, 0.6) < 0.7
+    b.add(7, 0, 300)  # evidence against is as decisive
+    assert b.alpha(7, 0.9) < 0.05
+    before = b.alpha(7, 0.9)
+    b.relax(0.5)
+    assert b.evidence[7] == [0.0, 150.0] and b.alpha(7, 0.9) > before

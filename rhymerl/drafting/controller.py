@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rhymerl.drafting.config import SpecConfig
-from rhymerl.drafting.gate import AcceptanceEstimate, RealizedCost, StepOverhead, best_width, uniform_width
+from rhymerl.drafting.gate import AcceptanceEstimate, BucketAcceptance, RealizedCost, StepOverhead, best_width, uniform_width
 from rhymerl.drafting.length_policy import POLICIES
 from rhymerl.drafting.source import Candidate, DraftSource, IndexSource, SourceContext, get_source
 from rhymerl.drafting.suffix_index import longest_match_drafts
@@ -39,7 +39,7 @@ MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off whe
 MAX_WAIT = 32  # the longest the gate waits after drafts it threw away (steps)
 QUIET = 4  # steps without drafting, at one batch size, after the check before drafting said no
 PROBE_EVERY = 4  # where drafting did not pay, one rollout in this many drafts again (to see whether it does now)
-UNPAID_SHARE = 0.01  # drafting "did not pay" in a rollout that tried it and got less than this share of its tokens
+UNPAID_SHARE = 0.02  # drafting "did not pay" in a rollout that tried it and got under this share of its tokens
 UNPAID_TRIES = 4  # ... from at least this many drafting attempts (fewer: the gate held off, nothing was learnt)
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
@@ -121,6 +121,7 @@ class SpecController:
         self.wants_hidden = any(s.wants_hidden for s in sources)
         self.cost_model: CostModel | None = None
         self.acceptance = AcceptanceEstimate()
+        self.by_bucket = BucketAcceptance()  # what the gate plans with: per batch size, see there
         self.overhead = StepOverhead()
         # Measured per-token cost of drafting against plain decoding (RealizedCost; kept across
         # rollout steps). Sets that run a model are judged against any plain measurement (one is
@@ -214,6 +215,7 @@ class SpecController:
         self._fill = max(self._fill, 0.5)
         self._discards = self._wait = 0  # drafts may pay again from a new step's history
         self.acceptance.relax(0.5)
+        self.by_bucket.relax(0.5)
         version = getattr(self.store, "version", None)
         if version != self._store_version:  # new history: sets that read it may pay now
             self._store_version = version
@@ -241,7 +243,7 @@ class SpecController:
                 return self._rest(B)
             if self._idle:
                 self._wake()
-        alpha = self.acceptance.alpha
+        alpha = self.by_bucket.alpha(bucket, self.acceptance.alpha)
         over = self.overhead.factor(B)
         # Before drafting anything: would drafts as full as they have recently been pay at this
         # batch size, the drafting itself (as long as each source recently took here) included,
@@ -481,6 +483,7 @@ class SpecController:
         self.accepted_by_source.update(acc_by)
         self.drafted_by_source.update(drafted_by)
         self.acceptance.add(succ, fail)
+        self.by_bucket.add(len(seqs).bit_length(), succ, fail)
         self._accepted += succ
 
     def observe_time(self, B: int, width: int, seconds: float) -> None:
@@ -532,6 +535,7 @@ class SpecController:
         model measured at start-up), as plain data: a resumed run drafts as this one would."""
         self._wake()
         return {"acceptance": [self.acceptance.succ, self.acceptance.fail],
+                "by_bucket": sorted([b, ev[0], ev[1]] for b, ev in self.by_bucket.evidence.items()),
                 "overhead": {"plain": sorted(self.overhead.plain.items()), "spec": sorted(self.overhead.spec.items())},
                 "fill": self._fill,
                 "calibration": sorted(self.calibration.ratio.items()),
@@ -547,6 +551,7 @@ class SpecController:
         """Inverse of :meth:`gate_state`; a malformed state is ignored with a warning (speed only)."""
         try:
             succ, fail = (float(x) for x in state["acceptance"])
+            by_bucket = {int(b): [float(x), float(y)] for b, x, y in state.get("by_bucket", [])}
             plain = {int(b): float(r) for b, r in state["overhead"]["plain"]}
             spec = {int(b): float(r) for b, r in state["overhead"]["spec"]}
             fill = float(state["fill"])
@@ -564,6 +569,7 @@ class SpecController:
             log.warning("speculation gate state ignored (%s)", e)
             return
         self.acceptance.succ, self.acceptance.fail = succ, fail
+        self.by_bucket.evidence = by_bucket
         self.overhead.plain, self.overhead.spec = plain, spec
         self._fill = fill
         self.calibration.ratio = calib
