@@ -581,3 +581,34 @@ def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidenc
     before = b.alpha(7, 0.9)
     b.relax(0.5)
     assert b.evidence[7] == [0.0, 150.0] and b.alpha(7, 0.9) > before
+
+
+def test_drafts_accepted_but_dearer_than_plain_everywhere_verified_also_sleep():
+    """A rollout whose verified drafts were accepted (a draft model's, say) but measured dearer
+    per token than plain decoding in every bucket they were verified in did not pay either;
+    one cheaper bucket is enough to stay awake."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.drafting.controller import UNPAID_TRIES
+    from rhymerl.engine.sequence import Sequence
+
+    def rollout(d, step: int, verified: set, spec: float) -> bool:
+        d.begin(step)
+        s = Sequence(step, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="p")
+        s.output_ids, s.limit = [1, 2, 3], 50
+        d.on_admit([s])
+        dormant = d._dormant
+        if not dormant:
+            d._tries, d._rows, d._accepted = UNPAID_TRIES, 1000, 300  # 23 % of the tokens accepted
+            d._verified = set(verified)
+            for b, o in verified:
+                d.realized.plain[b] = 1.0
+                d.realized.spec[(b, o)] = spec if b == 8 else 1.5
+        d.on_finish(s)
+        return dormant
+
+    dear = build_proposer(SpecConfig(sources=["siblings"]))
+    assert not rollout(dear, 1, {(8, 0), (3, 0)}, 1.5)
+    assert rollout(dear, 2, set(), 0.0)
+    cheap = build_proposer(SpecConfig(sources=["siblings"]))
+    assert not rollout(cheap, 1, {(8, 0), (3, 0)}, 0.8)  # paid at the full batch
+    assert not rollout(cheap, 2, set(), 0.0)

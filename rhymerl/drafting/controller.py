@@ -182,6 +182,7 @@ class SpecController:
         self._unpaid: dict[tuple[str, ...], int] = {}  # situation -> dormant rollouts since it was last tried
         self._situation: tuple[str, ...] | None = None  # this rollout's, from what was admitted
         self._dormant = False
+        self._verified: set[tuple[int, int]] = set()  # this rollout's (bucket, source set) that verified
         self._tries = 0  # this rollout's drafting attempts, decoded rows and accepted tokens
         self._rows = 0
         self._accepted = 0
@@ -305,12 +306,22 @@ class SpecController:
         """The rollout that ended: remember whether drafting paid in its situation."""
         sit, self._situation = self._situation, None
         if sit is not None and not self._dormant:
-            if self._tries >= UNPAID_TRIES and self._accepted < UNPAID_SHARE * (self._rows + self._accepted):
+            few = self._accepted < UNPAID_SHARE * (self._rows + self._accepted)
+            if self._tries >= UNPAID_TRIES and (few or self._dearer()):
                 self._unpaid[sit] = 0
             elif self._tries >= UNPAID_TRIES:
                 self._unpaid.pop(sit, None)
         self._dormant = False
         self._tries = self._rows = self._accepted = 0
+        self._verified.clear()
+
+    def _dearer(self) -> bool:
+        """Whether every (bucket, source set) that verified drafts this rollout has measured
+        dearer per token than plain decoding in its bucket (`RealizedCost`): drafts that were
+        accepted but did not pay for their time (a draft model's forwards on a CPU)."""
+        spec, plain, margin = self.realized.spec, self.realized.plain, self.realized.margin
+        return bool(self._verified) and all(
+            key in spec and key[0] in plain and spec[key] > plain[key[0]] * margin for key in self._verified)
 
     def _enter(self, seqs: list[Sequence]) -> None:
         """Sequences were admitted: this rollout's situation, and whether it sleeps. The first
@@ -498,6 +509,8 @@ class SpecController:
         if self.cost_model is not None:
             # Index building is a one-off, amortised over the rollout; drafting is this step's cost.
             drafted = self._draft_s > 0
+            if width > 1:
+                self._verified.add((B.bit_length(), self._option))
             dear = drafted and self._guarded[self._option]  # a model's tries: judged at once, held longer
             self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build),
                                  self._option if drafted else None, fresh=None if dear else FRESH_PLAIN,
@@ -543,7 +556,7 @@ class SpecController:
                 "realized": self.realized.state(),
                 "unpaid": sorted([list(sit), n] for sit, n in self._unpaid.items()),
                 "rollout": [None if self._situation is None else list(self._situation), self._dormant,
-                            self._tries, self._rows, self._accepted],
+                            self._tries, self._rows, self._accepted, sorted(list(k) for k in self._verified)],
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
@@ -560,9 +573,10 @@ class SpecController:
             realized = RealizedCost()
             realized.load(state.get("realized", {}))
             unpaid = {tuple(str(x) for x in sit): int(n) for sit, n in state.get("unpaid", [])}
-            sit, dormant, tries, rows, accepted = state.get("rollout", [None, False, 0, 0, 0])
+            sit, dormant, tries, rows, accepted, verified = state.get("rollout", [None, False, 0, 0, 0, []])
             sit = None if sit is None else tuple(str(x) for x in sit)
             dormant, tries, rows, accepted = bool(dormant), int(tries), int(rows), int(accepted)
+            verified = {(int(b), int(o)) for b, o in verified}
             cost = None if state.get("cost") is None else \
                 CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
         except (KeyError, TypeError, ValueError) as e:
@@ -577,6 +591,7 @@ class SpecController:
         self.realized = realized
         self._unpaid = unpaid
         self._situation, self._dormant, self._tries, self._rows, self._accepted = sit, dormant, tries, rows, accepted
+        self._verified = verified
         if cost is not None and self.cost_model is not None:
             self.cost_model = cost
 
