@@ -580,7 +580,10 @@ def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidenc
     assert b.alpha(7, 0.9) < 0.05
     before = b.alpha(7, 0.9)
     b.relax(0.5)
-    assert b.evidence[7] == [0.0, 150.0] and b.alpha(7, 0.9) > before
+    assert (b.evidence[7].succ, b.evidence[7].fail) == (0.0, 150.0) and b.alpha(7, 0.9) > before
+    back = BucketAcceptance()
+    back.load(b.state())  # a checkpoint's round trip
+    assert back.state() == b.state() and back.alpha(3, 0.6) == b.alpha(3, 0.6)
 
 
 def test_drafts_accepted_but_dearer_than_plain_everywhere_verified_also_sleep():

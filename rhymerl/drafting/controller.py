@@ -305,11 +305,10 @@ class SpecController:
     def _settle(self) -> None:
         """The rollout that ended: remember whether drafting paid in its situation."""
         sit, self._situation = self._situation, None
-        if sit is not None and not self._dormant:
-            few = self._accepted < UNPAID_SHARE * (self._rows + self._accepted)
-            if self._tries >= UNPAID_TRIES and (few or self._dearer()):
+        if sit is not None and not self._dormant and self._tries >= UNPAID_TRIES:  # fewer: nothing learnt
+            if self._accepted < UNPAID_SHARE * (self._rows + self._accepted) or self._dearer():
                 self._unpaid[sit] = 0
-            elif self._tries >= UNPAID_TRIES:
+            else:
                 self._unpaid.pop(sit, None)
         self._dormant = False
         self._tries = self._rows = self._accepted = 0
@@ -548,7 +547,7 @@ class SpecController:
         model measured at start-up), as plain data: a resumed run drafts as this one would."""
         self._wake()
         return {"acceptance": [self.acceptance.succ, self.acceptance.fail],
-                "by_bucket": sorted([b, ev[0], ev[1]] for b, ev in self.by_bucket.evidence.items()),
+                "by_bucket": self.by_bucket.state(),
                 "overhead": {"plain": sorted(self.overhead.plain.items()), "spec": sorted(self.overhead.spec.items())},
                 "fill": self._fill,
                 "calibration": sorted(self.calibration.ratio.items()),
@@ -564,7 +563,8 @@ class SpecController:
         """Inverse of :meth:`gate_state`; a malformed state is ignored with a warning (speed only)."""
         try:
             succ, fail = (float(x) for x in state["acceptance"])
-            by_bucket = {int(b): [float(x), float(y)] for b, x, y in state.get("by_bucket", [])}
+            by_bucket = BucketAcceptance()
+            by_bucket.load(state.get("by_bucket", []))
             plain = {int(b): float(r) for b, r in state["overhead"]["plain"]}
             spec = {int(b): float(r) for b, r in state["overhead"]["spec"]}
             fill = float(state["fill"])
@@ -583,7 +583,7 @@ class SpecController:
             log.warning("speculation gate state ignored (%s)", e)
             return
         self.acceptance.succ, self.acceptance.fail = succ, fail
-        self.by_bucket.evidence = by_bucket
+        self.by_bucket = by_bucket
         self.overhead.plain, self.overhead.spec = plain, spec
         self._fill = fill
         self.calibration.ratio = calib

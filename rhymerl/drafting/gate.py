@@ -141,25 +141,39 @@ class BucketAcceptance:
 
     def __init__(self, weight: float = 4.0, z: float = 1.0, decay: float = 0.98) -> None:
         self.weight, self.z, self.decay = weight, z, decay
-        self.evidence: dict[int, list[float]] = {}  # bucket -> [successes, failures]
+        # per bucket, evidence alone (no prior: the global estimate is the prior, at read time)
+        self.evidence: dict[int, AcceptanceEstimate] = {}
+
+    def _bucket(self, bucket: int) -> AcceptanceEstimate:
+        est = self.evidence.get(bucket)
+        if est is None:
+            est = self.evidence[bucket] = AcceptanceEstimate(prior_weight=0.0, decay=self.decay)
+        return est
 
     def add(self, bucket: int, successes: float, failures: float) -> None:
-        ev = self.evidence.setdefault(bucket, [0.0, 0.0])
-        ev[0] = self.decay * ev[0] + successes
-        ev[1] = self.decay * ev[1] + failures
+        self._bucket(bucket).add(successes, failures)
 
     def relax(self, frac: float) -> None:
         """Forget ``frac`` of every bucket's evidence."""
-        for ev in self.evidence.values():
-            ev[0] *= 1 - frac
-            ev[1] *= 1 - frac
+        for est in self.evidence.values():
+            est.relax(frac)
 
     def alpha(self, bucket: int, overall: float) -> float:
         """The acceptance to plan with at this bucket, given the global estimate ``overall``."""
-        succ, fail = self.evidence.get(bucket, (0.0, 0.0))
+        est = self.evidence.get(bucket)
+        succ, fail = (est.succ, est.fail) if est is not None else (0.0, 0.0)
         n = succ + fail + self.weight
         a = (succ + self.weight * overall) / n
         return min(0.99, a + self.z * (a * (1.0 - a) / n) ** 0.5)
+
+    def state(self) -> list[list[float]]:
+        return sorted([b, est.succ, est.fail] for b, est in self.evidence.items())
+
+    def load(self, state: list) -> None:
+        self.evidence = {}
+        for b, succ, fail in state:
+            est = self._bucket(int(b))
+            est.succ, est.fail = float(succ), float(fail)
 
 
 class StepOverhead:

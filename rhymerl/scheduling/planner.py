@@ -211,15 +211,12 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         names = ("lpt", "contiguous") if policy == "oracle" else tuple(candidates)
 
         def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
-            # The mean over the draws: the expected makespan. (The worse of the two was used
-            # before, "a plan is as good as its bad case"; but two draws' worst case measures a
-            # plan's spread across draws, not its expected time, and passed over `spread` where
-            # it was 8 % faster on the step's real lengths: heavy-tailed trace at 256 workers
-            # 304 -> 280 s, built-in trace on the CPU curve 1.12x -> 1.03x the oracle; no other
-            # row of `bench pipe` or `bench project` changed its pick.) Still optimistic for
-            # `spread`, which is built on the distribution it is judged on: on the 235B
-            # projection's 16 engines it is picked and 8 % slower than LPT (README, HistoPipe);
-            # draws resampled from the history itself instead picked it there too.
+            # The mean over the draws, the expected makespan: the worse of two draws ranks plans
+            # by how much they vary across draws, and passed over `spread` where it was 8 %
+            # faster on the step's real lengths (heavy-tailed trace, 256 workers). Still
+            # optimistic for `spread`, which is built on the distribution it is judged on: on
+            # the 235B projection's 16 engines it is picked and 8 % slower than LPT (README,
+            # HistoPipe); draws resampled from the history itself picked it there too.
             plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
             return float(np.mean([simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
                                   for j in judged]))
