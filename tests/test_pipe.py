@@ -490,3 +490,27 @@ def test_synthetic_trace_knows_what_its_next_epoch_was_drawn_from():
                            "without": SimSource(tr.pairs, 1.0, GPU_8B_H100, 256.0, 32768.0)}, [4])
     assert {r["trace"] for r in rows if r["policy"] == "dist_oracle"} == {"with"}
     assert all(r["vs_oracle"] > 0 for r in rows)
+
+def test_bench_orders_balance_positions_and_predecessors_and_intervals_pair_steps():
+    from collections import Counter
+
+    import numpy as np
+
+    from rhymerl.bench.common import bootstrap_interval
+    from rhymerl.bench.e2e import balanced_orders
+
+    for n in (2, 3, 5, 8):
+        orders = balanced_orders(n)
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        follows = Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+        first = Counter(o[0] for o in orders)
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1  # every ordered pair, equally
+        assert len(first) == n and len(set(first.values())) == 1
+    # paired steps that move together (drift) pin a ratio down; the same values unpaired do not
+    steps = np.linspace(1.0, 3.0, 24)
+    paired = np.column_stack([steps, steps / 1.1])
+    lo, hi = map(float, bootstrap_interval(paired, lambda s: s[:, 0].sum() / s[:, 1].sum()).split("-"))
+    assert lo == hi == pytest.approx(1.1, abs=1e-3)
+    shuffled = np.column_stack([steps, np.random.default_rng(1).permutation(steps) / 1.1])
+    lo, hi = map(float, bootstrap_interval(shuffled, lambda s: s[:, 0].sum() / s[:, 1].sum()).split("-"))
+    assert lo < 1.05 and hi > 1.15

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rhymerl.device import machine_info
 
@@ -24,3 +27,13 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(cols, widths)))
+
+
+def bootstrap_interval(samples: np.ndarray, stat: Callable[[np.ndarray], float], reps: int = 1000,
+                       seed: int = 0) -> str:
+    """A 95 % bootstrap interval of ``stat`` over ``samples`` (rows resampled whole, so paired
+    measurements stay paired), as ``"lo-hi"``: how well the rows pin the figure down."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(samples), size=(reps, len(samples)))
+    boot = np.array([stat(samples[i]) for i in idx])
+    return f"{np.percentile(boot, 2.5):.3f}-{np.percentile(boot, 97.5):.3f}"

@@ -20,16 +20,17 @@ traces and this machine's costs calibrated before and after the runs
 """
 from __future__ import annotations
 
+import gc
 import shutil
-import time
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rhymerl.bench.calibrate import calibrate, describe, mean_costs
-from rhymerl.bench.common import print_table, write_report
+from rhymerl.bench.common import bootstrap_interval, print_table, write_report
 from rhymerl.training.metrics import read_metrics
 
 SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
@@ -130,17 +131,28 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         keep = {"baseline", *only, *(COMPARED_WITH[v] for v in only if v in COMPARED_WITH)}
         variants = {k: v for k, v in variants.items() if k in keep}
     runs: dict[str, RLRun] = {}
+    # A full (generation-2) collection scans the objects of every variant's run in this process
+    # (140 ms here, 40 % of a step) and lands in whichever variant's step crosses the threshold:
+    # one such pause moved that variant's mean over 24 steps by 1.6 %, a run alone pays a
+    # fraction of it. So the young generations stay automatic (each variant pays for its own
+    # allocations) and full collections run between rounds, untimed.
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
     try:  # built inside: a variant that fails to start still stops the workers of those before it
         for name, ov in variants.items():
             runs[name] = RLRun(load_config(None, common + ov + [f"trainer.output_dir={tmp / name}"]), tmp / name,
                                progress=False)
         names = list(runs)
+        orders = balanced_orders(len(names))
         for step in range(1, steps + 1):
-            # The variants take turns, a step each, in an order that rotates: this machine's
-            # speed drifts by tens of percent within minutes, and whole runs one after another
-            # put that drift (and the first run's warm-up) into their ratios.
-            k = step % len(names)
-            for name in names[k:] + names[:k]:
+            # The variants take turns, a step each: this machine's speed drifts by tens of percent
+            # within minutes, and whole runs one after another put that drift (and the first
+            # run's warm-up) into their ratios. The order changes every step so that each variant
+            # comes first, and follows each other variant, equally often: in a fixed cycle each
+            # variant always followed the same one, and what a turn leaves behind (caches, a
+            # worker pool's processes winding down) fell on one variant only (two plain engines
+            # then measured 3-15 % apart step after step).
+            for name in (names[i] for i in orders[(step - 1) % len(orders)]):
                 m = runs[name].train_step(step)
                 # An async variant's next batch is still generating: it finishes before the next
                 # variant's turn (so it never runs beside another variant), and its remainder
@@ -149,7 +161,9 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                 runs[name].settle()
                 m["timing_s/step"] += time.perf_counter() - t
                 runs[name].metrics.log(step, m)
+            gc.collect()
     finally:
+        gc.set_threshold(*thresholds)
         for r in runs.values():
             r.metrics.close()
             r.close()
@@ -198,9 +212,20 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                          "learning_max_rel_diff": max_rel_diff(learn[name], learn[same_as[name]]),
                          "learning_compared_with": same_as[name]})
     base_row = rows_out[0]
+
+    def totals(s: np.ndarray) -> float:
+        return float(s[:, 0].sum() / s[:, 1].sum())
+
     for r in rows_out:
         r["speedup"] = base_row["step_s"] / r["step_s"]
         r["gen_speedup"] = base_row["gen_s"] / r["gen_s"]
+        # Steps are paired (each variant's step k ran next to the baseline's), so the interval
+        # resamples steps whole: what 24 steps resolve on a machine whose step times move by
+        # 10-20 % from step to step (a 2 % difference needs several runs).
+        for key, metric in (("speedup_ci95", "timing_s/step"), ("gen_speedup_ci95", "timing_s/gen")):
+            pairs = np.array([[b[metric], v[metric]] for b, v in zip(results[base_row["variant"]],
+                                                                    results[r["variant"]])])
+            r[key] = bootstrap_interval(pairs, totals)
         # what a projection is used for: the speed-up, which the machine's drift moves less
         r["simulated_speedup"] = base_row["simulated_step_s"] / r["simulated_step_s"]
         r["speedup_error"] = r["simulated_speedup"] / r["speedup"] - 1
@@ -208,7 +233,7 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                            "simulated_gen_s",
                            "update_s", "simulated_train_s",
                            "gen_s_after_epoch1", "accepted_per_forward",
-                           "speedup", "gen_speedup", "final_score", "same_learning_metrics",
+                           "speedup", "speedup_ci95", "gen_speedup", "gen_speedup_ci95", "final_score", "same_learning_metrics",
                            "learning_max_rel_diff"])
     _plot(results, Path(json_path).with_suffix(".png") if json_path else tmp / "e2e.png")
     try:  # TRL side by side, when the optional `trl` extra is installed
@@ -226,6 +251,20 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                                                 "calibration": {"before": describe(before), "after": describe(after)}})
     shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` variants in which each comes in every position, and right after each
+    other variant, equally often (a Williams design: ``n`` orders for even ``n``, ``2n`` for odd)."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    orders = [[(x + i) % n for x in first] for i in range(n)]
+    return orders if n % 2 == 0 else orders + [o[::-1] for o in orders]
 
 
 def max_rel_diff(a: list[dict], b: list[dict]) -> float:

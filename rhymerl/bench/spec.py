@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rhymerl.bench.common import print_table, write_report
+from rhymerl.bench.common import bootstrap_interval, print_table, write_report
 from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer
 from rhymerl.engine import SamplingParams
 from rhymerl.llm import LLM
@@ -265,8 +265,7 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
             # rounds it is narrower than any one round's noise; with a handful it means nothing,
             # and is left out rather than printed as a point).
             if len(ratios) >= MIN_ROUNDS_CI:
-                boot = np.median(np.random.default_rng(0).choice(ratios, size=(1000, len(ratios))), axis=1)
-                res["speedup_ci95"] = f"{np.percentile(boot, 2.5):.3f}-{np.percentile(boot, 97.5):.3f}"
+                res["speedup_ci95"] = bootstrap_interval(ratios, np.median)
             res["forwards_reduction"] = results["none"]["forwards_per_token"] / res["forwards_per_token"]
         out.append(res)
     return out
