@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -260,6 +261,14 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     assert careful.allows(16, 0)
     careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
     assert not careful.allows(16, 0)
+    # a set whose tries are dear (a model's) is held longer, up to its own cap
+    dear = RealizedCost(decay=0.0, backoff=2, max_backoff=4)
+    dear.update(cost, 16, 16, 0.016, option=None)
+    holds = []
+    for _ in range(5):
+        dear.update(cost, 16, 40, 0.016 * 3.0, option=0, evidence=1, backoff=2, max_backoff=16)
+        holds.append(dear._hold[(5, 0)])
+    assert holds == [2, 4, 8, 16, 16]
 
 
 def test_history_store_caps_and_persistence(tmp_path, caplog):
@@ -552,16 +561,25 @@ def test_a_situation_where_drafting_did_not_pay_sleeps_but_one_rollout_in_probe_
         return dormant
 
     assert not rollout(1, UNPAID_TRIES, 9)  # tried, under 1 % accepted
-    slept = [rollout(2 + i, UNPAID_TRIES, 9) for i in range(2 * PROBE_EVERY)]
-    assert slept == ([True] * (PROBE_EVERY - 1) + [False]) * 2
+    slept = [rollout(2 + i, UNPAID_TRIES, 9) for i in range(3 * PROBE_EVERY)]
+    # each probe that finds it still unpaid doubles the period: probes are dear
+    assert slept == [True] * (PROBE_EVERY - 1) + [False] + [True] * (2 * PROBE_EVERY - 1) + [False]
     state = d.gate_state()
     d.store.add("p", [5, 6, 7], [[1, 2, 3, 4]], step=1)  # the prompt's own history: another situation
-    assert not rollout(20, UNPAID_TRIES, 200)
-    assert not rollout(21, UNPAID_TRIES, 9)  # tried there, and it did not pay either...
-    assert rollout(22, 0, 0)  # ...so that one sleeps too
+    assert not rollout(40, UNPAID_TRIES, 200)
+    assert not rollout(41, UNPAID_TRIES, 9)  # tried there, and it did not pay either...
+    assert rollout(42, 0, 0)  # ...so that one sleeps too
     fresh = build_proposer(SpecConfig(sources=["prompt_history", "siblings"]))
     fresh.load_gate_state(state)
-    assert fresh._unpaid == {("siblings",): 0}
+    assert fresh._unpaid == {("siblings",): 0} and fresh._period == {("siblings",): 2 * PROBE_EVERY}
+    # a probe that finds drafting paying ends the sleep; unpaid again, it starts from PROBE_EVERY
+    sit = ("prompt_history", "siblings")
+    for i in range(PROBE_EVERY):
+        if not rollout(50 + i, UNPAID_TRIES, 200):
+            break
+    assert not rollout(90, UNPAID_TRIES, 9) and sit not in d._unpaid
+    d.begin(91)
+    assert d._unpaid[sit] == 0 and d._period[sit] == PROBE_EVERY
 
 
 def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidence():
@@ -586,24 +604,24 @@ def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidenc
     assert back.state() == b.state() and back.alpha(3, 0.6) == b.alpha(3, 0.6)
 
 
-def test_drafts_accepted_but_dearer_than_plain_everywhere_verified_also_sleep():
+def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     """A rollout whose verified drafts were accepted (a draft model's, say) but measured dearer
-    per token than plain decoding in every bucket they were verified in did not pay either;
-    one cheaper bucket is enough to stay awake."""
+    per token than plain decoding, over its verifications weighted by bucket, did not pay
+    either; where most verifications paid it stays awake."""
     from rhymerl.drafting import SpecConfig
     from rhymerl.drafting.controller import UNPAID_TRIES
     from rhymerl.engine.sequence import Sequence
 
-    def rollout(d, step: int, verified: set, spec: float) -> bool:
+    def rollout(d, step: int, verified: set, spec: float, tries: int = UNPAID_TRIES) -> bool:
         d.begin(step)
         s = Sequence(step, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="p")
         s.output_ids, s.limit = [1, 2, 3], 50
         d.on_admit([s])
         dormant = d._dormant
         if not dormant:
-            d._tries, d._rows, d._accepted = UNPAID_TRIES, 1000, 300  # 23 % of the tokens accepted
-            d._verified = set(verified)
-            for b, o in verified:
+            d._tries, d._rows, d._accepted = tries, 1000, 300  # 23 % of the tokens accepted
+            d._verified = Counter(verified)
+            for b, o in d._verified:
                 d.realized.plain[b] = 1.0
                 d.realized.spec[(b, o)] = spec if b == 8 else 1.5
         d.on_finish(s)
@@ -613,5 +631,14 @@ def test_drafts_accepted_but_dearer_than_plain_everywhere_verified_also_sleep():
     assert not rollout(dear, 1, {(8, 0), (3, 0)}, 1.5)
     assert rollout(dear, 2, set(), 0.0)
     cheap = build_proposer(SpecConfig(sources=["siblings"]))
-    assert not rollout(cheap, 1, {(8, 0), (3, 0)}, 0.8)  # paid at the full batch
+    assert not rollout(cheap, 1, {(8, 0): 3, (3, 0): 1}, 0.8)  # paid at the full batch, where most were
     assert not rollout(cheap, 2, set(), 0.0)
+    even = build_proposer(SpecConfig(sources=["siblings"]))
+    assert not rollout(even, 1, {(8, 0): 1, (3, 0): 3}, 1.0)  # broke even in one bucket, dearer in most
+    assert rollout(even, 2, set(), 0.0)
+    # one try is enough for the verdict (a model's tries are held long: a rollout makes few)
+    few = build_proposer(SpecConfig(sources=["siblings"]))
+    assert not rollout(few, 1, {(8, 0)}, 1.5, tries=1)
+    assert rollout(few, 2, set(), 0.0)
+    none = build_proposer(SpecConfig(sources=["siblings"]))  # no verification: nothing learnt
+    assert not rollout(none, 1, set(), 0.0, tries=1) and not rollout(none, 2, set(), 0.0)

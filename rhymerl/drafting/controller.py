@@ -36,9 +36,11 @@ from rhymerl.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
 MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
+MODEL_MAX_BACKOFF = 1024  # ... and at most, the hold doubling while it keeps measuring dearer
 MAX_WAIT = 32  # the longest the gate waits after drafts it threw away (steps)
 QUIET = 4  # steps without drafting, at one batch size, after the check before drafting said no
 PROBE_EVERY = 4  # where drafting did not pay, one rollout in this many drafts again (to see whether it does now)
+MAX_PROBE_EVERY = 32  # ... the period doubling each time a probe finds it still does not pay
 UNPAID_SHARE = 0.02  # drafting "did not pay" in a rollout that tried it and got under this share of its tokens
 UNPAID_TRIES = 4  # ... from at least this many drafting attempts (fewer: the gate held off, nothing was learnt)
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
@@ -180,9 +182,13 @@ class SpecController:
         # (no drafting and no source bookkeeping, as if speculation were off) except one in
         # PROBE_EVERY, which tries again.
         self._unpaid: dict[tuple[str, ...], int] = {}  # situation -> dormant rollouts since it was last tried
+        # situation -> one rollout in this many probes. Doubled by each probe that finds drafting
+        # still unpaid: a probe is dear (a draft model explores every batch size again: 3-22 % of
+        # a rollout at batch 64 here), and at a fixed one in four it cost 1-5 % on average.
+        self._period: dict[tuple[str, ...], int] = {}
         self._situation: tuple[str, ...] | None = None  # this rollout's, from what was admitted
         self._dormant = False
-        self._verified: set[tuple[int, int]] = set()  # this rollout's (bucket, source set) that verified
+        self._verified: Counter[tuple[int, int]] = Counter()  # this rollout's verifications per (bucket, source set)
         self._tries = 0  # this rollout's drafting attempts, decoded rows and accepted tokens
         self._rows = 0
         self._accepted = 0
@@ -305,22 +311,35 @@ class SpecController:
     def _settle(self) -> None:
         """The rollout that ended: remember whether drafting paid in its situation."""
         sit, self._situation = self._situation, None
-        if sit is not None and not self._dormant and self._tries >= UNPAID_TRIES:  # fewer: nothing learnt
-            if self._accepted < UNPAID_SHARE * (self._rows + self._accepted) or self._dearer():
+        if sit is not None and not self._dormant:
+            # The share needs a few attempts to mean anything; "dearer" is RealizedCost's verdict
+            # and needs none here (where a model's tries are held long, a rollout makes 1-3 of
+            # them, and with UNPAID_TRIES required it never slept: each rollout paid 2-5 %).
+            tried = self._tries >= UNPAID_TRIES
+            if tried and self._accepted < UNPAID_SHARE * (self._rows + self._accepted) or self._dearer():
+                # a situation already marked was probed (or woken by a later admission): confirmed
+                period = self._period.get(sit, PROBE_EVERY)
+                self._period[sit] = min(MAX_PROBE_EVERY, 2 * period) if sit in self._unpaid else PROBE_EVERY
                 self._unpaid[sit] = 0
-            else:
+            elif tried:
                 self._unpaid.pop(sit, None)
+                self._period.pop(sit, None)
         self._dormant = False
         self._tries = self._rows = self._accepted = 0
         self._verified.clear()
 
     def _dearer(self) -> bool:
-        """Whether every (bucket, source set) that verified drafts this rollout has measured
-        dearer per token than plain decoding in its bucket (`RealizedCost`): drafts that were
-        accepted but did not pay for their time (a draft model's forwards on a CPU)."""
-        spec, plain, margin = self.realized.spec, self.realized.plain, self.realized.margin
-        return bool(self._verified) and all(
-            key in spec and key[0] in plain and spec[key] > plain[key[0]] * margin for key in self._verified)
+        """Whether this rollout's verifications, weighted by how many there were in each (bucket,
+        source set), measured dearer per token than plain decoding in their buckets
+        (`RealizedCost`, beyond its margin): drafts that were accepted but did not pay for their
+        time (a draft model's forwards on a CPU). Weighted, not "every bucket": a draft model
+        breaks even at one row here, and a rollout whose few tries included one such step was
+        never judged, so it probed every fourth rollout at 3-7 % of that rollout's time."""
+        spec, plain = self.realized.spec, self.realized.plain
+        known = [(n, spec[key] / plain[key[0]]) for key, n in self._verified.items()
+                 if key in spec and plain.get(key[0], 0.0) > 0.0]
+        total = sum(n for n, _ in known)
+        return total > 0 and sum(n * r for n, r in known) > self.realized.margin * total
 
     def _enter(self, seqs: list[Sequence]) -> None:
         """Sequences were admitted: this rollout's situation, and whether it sleeps. The first
@@ -337,7 +356,7 @@ class SpecController:
             if not self._dormant:
                 return
         slept = self._unpaid.get(self._situation)
-        self._dormant = slept is not None and slept + 1 < PROBE_EVERY
+        self._dormant = slept is not None and slept + 1 < self._period.get(self._situation, PROBE_EVERY)
         if slept is not None:
             self._unpaid[self._situation] = slept + 1 if self._dormant else 0
 
@@ -509,11 +528,12 @@ class SpecController:
             # Index building is a one-off, amortised over the rollout; drafting is this step's cost.
             drafted = self._draft_s > 0
             if width > 1:
-                self._verified.add((B.bit_length(), self._option))
+                self._verified[(B.bit_length(), self._option)] += 1
             dear = drafted and self._guarded[self._option]  # a model's tries: judged at once, held longer
             self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build),
                                  self._option if drafted else None, fresh=None if dear else FRESH_PLAIN,
-                                 evidence=1 if dear else None, backoff=MODEL_BACKOFF if dear else None)
+                                 evidence=1 if dear else None, backoff=MODEL_BACKOFF if dear else None,
+                                 max_backoff=MODEL_MAX_BACKOFF if dear else None)
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)
@@ -553,9 +573,9 @@ class SpecController:
                 "calibration": sorted(self.calibration.ratio.items()),
                 "draft_cost": sorted([b, n, v] for (b, n), v in self.draft_cost.items()),
                 "realized": self.realized.state(),
-                "unpaid": sorted([list(sit), n] for sit, n in self._unpaid.items()),
+                "unpaid": sorted([list(sit), n, self._period.get(sit, PROBE_EVERY)] for sit, n in self._unpaid.items()),
                 "rollout": [None if self._situation is None else list(self._situation), self._dormant,
-                            self._tries, self._rows, self._accepted, sorted(list(k) for k in self._verified)],
+                            self._tries, self._rows, self._accepted, sorted([b, o, n] for (b, o), n in self._verified.items())],
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
@@ -572,11 +592,12 @@ class SpecController:
             dcost = {(int(b), str(n)): float(v) for b, n, v in state.get("draft_cost", [])}
             realized = RealizedCost()
             realized.load(state.get("realized", {}))
-            unpaid = {tuple(str(x) for x in sit): int(n) for sit, n in state.get("unpaid", [])}
+            unpaid = {tuple(str(x) for x in e[0]): (int(e[1]), int(e[2]) if len(e) > 2 else PROBE_EVERY)
+                      for e in state.get("unpaid", [])}
             sit, dormant, tries, rows, accepted, verified = state.get("rollout", [None, False, 0, 0, 0, []])
             sit = None if sit is None else tuple(str(x) for x in sit)
             dormant, tries, rows, accepted = bool(dormant), int(tries), int(rows), int(accepted)
-            verified = {(int(b), int(o)) for b, o in verified}
+            verified = Counter({(int(e[0]), int(e[1])): int(e[2]) if len(e) > 2 else 1 for e in verified})
             cost = None if state.get("cost") is None else \
                 CostModel({(int(b), int(t)): float(c) for b, t, c in state["cost"]})
         except (KeyError, TypeError, ValueError) as e:
@@ -589,7 +610,8 @@ class SpecController:
         self.calibration.ratio = calib
         self.draft_cost = dcost
         self.realized = realized
-        self._unpaid = unpaid
+        self._unpaid = {sit: n for sit, (n, _) in unpaid.items()}
+        self._period = {sit: period for sit, (_, period) in unpaid.items()}
         self._situation, self._dormant, self._tries, self._rows, self._accepted = sit, dormant, tries, rows, accepted
         self._verified = verified
         if cost is not None and self.cost_model is not None:

@@ -250,12 +250,13 @@ class RealizedCost:
             self._count.pop(key, None)
 
     def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None,
-               fresh: int | None = None, evidence: int | None = None, backoff: int | None = None) -> None:
+               fresh: int | None = None, evidence: int | None = None, backoff: int | None = None,
+               max_backoff: int | None = None) -> None:
         """One decode step's measurement; ``option`` is the source set that drafted (None: plain).
         With ``fresh``, the set is judged only against plain decoding measured in the bucket
         within its last ``fresh`` steps (like with like, before the machine's speed moves);
-        ``evidence`` and ``backoff`` override the defaults for this set (a set whose tries are
-        dear is held on one and for longer)."""
+        ``evidence``, ``backoff`` and ``max_backoff`` override the defaults for this set (a set
+        whose tries are dear is held on one, for longer, and up to a longer hold)."""
         if emitted <= 0:
             return
         r = seconds / cost.cost(B, 1) * B / emitted
@@ -280,7 +281,7 @@ class RealizedCost:
         if self.spec[key] > plain * self.margin:
             n = self._backoff.get(key, backoff or self.backoff0)
             self._hold[key] = n
-            self._backoff[key] = min(self.max_backoff, 2 * n)
+            self._backoff[key] = min(max_backoff or self.max_backoff, 2 * n)
         else:
             self._backoff[key] = backoff or self.backoff0
 
