@@ -233,8 +233,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
                            "simulated_gen_s",
                            "update_s", "simulated_train_s",
                            "gen_s_after_epoch1", "accepted_per_forward",
-                           "speedup", "speedup_ci95", "gen_speedup", "gen_speedup_ci95", "final_score", "same_learning_metrics",
-                           "learning_max_rel_diff"])
+                           "speedup", "speedup_ci95", "gen_speedup", "gen_speedup_ci95", "final_score",
+                           "same_learning_metrics", "learning_max_rel_diff"])
     _plot(results, Path(json_path).with_suffix(".png") if json_path else tmp / "e2e.png")
     try:  # TRL side by side, when the optional `trl` extra is installed
         import trl  # noqa: F401

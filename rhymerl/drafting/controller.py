@@ -180,7 +180,7 @@ class SpecController:
         # anything to offer (their `available`) is the rollout's situation; where drafting did
         # not pay in the last rollout that tried it in the same situation, a rollout is dormant
         # (no drafting and no source bookkeeping, as if speculation were off) except one in
-        # PROBE_EVERY, which tries again.
+        # PROBE_EVERY (or more, see _period), which tries again.
         self._unpaid: dict[tuple[str, ...], int] = {}  # situation -> dormant rollouts since it was last tried
         # situation -> one rollout in this many probes. Doubled by each probe that finds drafting
         # still unpaid: a probe is dear (a draft model explores every batch size again: 3-22 % of
@@ -573,9 +573,11 @@ class SpecController:
                 "calibration": sorted(self.calibration.ratio.items()),
                 "draft_cost": sorted([b, n, v] for (b, n), v in self.draft_cost.items()),
                 "realized": self.realized.state(),
-                "unpaid": sorted([list(sit), n, self._period.get(sit, PROBE_EVERY)] for sit, n in self._unpaid.items()),
+                "unpaid": sorted([list(sit), n, self._period.get(sit, PROBE_EVERY)]
+                                 for sit, n in self._unpaid.items()),
                 "rollout": [None if self._situation is None else list(self._situation), self._dormant,
-                            self._tries, self._rows, self._accepted, sorted([b, o, n] for (b, o), n in self._verified.items())],
+                            self._tries, self._rows, self._accepted,
+                            sorted([b, o, n] for (b, o), n in self._verified.items())],
                 "cost": sorted([b, t, c] for (b, t), c in self.cost_model.table.items())
                 if self.cost_model is not None else None}
 
