@@ -252,7 +252,7 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     assert r.needs_plain(16)
     back = RealizedCost()
     back.load(r.state())
-    assert back.plain == r.plain and back.spec == r.spec
+    assert back.plain == r.plain and back.spec == r.spec and back.dearer == r.dearer and r.dearer
     careful = RealizedCost(decay=0.0, evidence=2, margin=1.1)  # the defaults: one slow step holds nothing
     careful.update(cost, 16, 16, 0.016, option=None)
     careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
@@ -606,13 +606,13 @@ def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidenc
 
 def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     """A rollout whose verified drafts were accepted (a draft model's, say) but measured dearer
-    per token than plain decoding, over its verifications weighted by bucket, did not pay
-    either; where most verifications paid it stays awake."""
+    per token than plain decoding where most of its verifications were (RealizedCost's
+    verdicts) did not pay either; where most verifications paid it stays awake."""
     from rhymerl.drafting import SpecConfig
     from rhymerl.drafting.controller import UNPAID_TRIES
     from rhymerl.engine.sequence import Sequence
 
-    def rollout(d, step: int, verified: set, spec: float, tries: int = UNPAID_TRIES) -> bool:
+    def rollout(d, step: int, verified: set, spec: float, tries: int = UNPAID_TRIES, judged: bool = True) -> bool:
         d.begin(step)
         s = Sequence(step, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="p")
         s.output_ids, s.limit = [1, 2, 3], 50
@@ -624,6 +624,8 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
             for b, o in d._verified:
                 d.realized.plain[b] = 1.0
                 d.realized.spec[(b, o)] = spec if b == 8 else 1.5
+                if judged:  # RealizedCost judged it (a fresh plain measurement, enough evidence)
+                    d.realized.dearer[(b, o)] = d.realized.spec[(b, o)] > d.realized.margin
         d.on_finish(s)
         return dormant
 
@@ -640,5 +642,8 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     few = build_proposer(SpecConfig(sources=["siblings"]))
     assert not rollout(few, 1, {(8, 0)}, 1.5, tries=1)
     assert rollout(few, 2, set(), 0.0)
+    unjudged = build_proposer(SpecConfig(sources=["siblings"]))  # measured, never judged: no verdict
+    assert not rollout(unjudged, 1, {(8, 0)}, 1.5, tries=1, judged=False)
+    assert not rollout(unjudged, 2, set(), 0.0)
     none = build_proposer(SpecConfig(sources=["siblings"]))  # no verification: nothing learnt
     assert not rollout(none, 1, set(), 0.0, tries=1) and not rollout(none, 2, set(), 0.0)

@@ -329,17 +329,17 @@ class SpecController:
         self._verified.clear()
 
     def _dearer(self) -> bool:
-        """Whether this rollout's verifications, weighted by how many there were in each (bucket,
-        source set), measured dearer per token than plain decoding in their buckets
-        (`RealizedCost`, beyond its margin): drafts that were accepted but did not pay for their
-        time (a draft model's forwards on a CPU). Weighted, not "every bucket": a draft model
-        breaks even at one row here, and a rollout whose few tries included one such step was
-        never judged, so it probed every fourth rollout at 3-7 % of that rollout's time."""
-        spec, plain = self.realized.spec, self.realized.plain
-        known = [(n, spec[key] / plain[key[0]]) for key, n in self._verified.items()
-                 if key in spec and plain.get(key[0], 0.0) > 0.0]
-        total = sum(n for n, _ in known)
-        return total > 0 and sum(n * r for n, r in known) > self.realized.margin * total
+        """Whether most of this rollout's verifications (counted per (bucket, source set)) were
+        where `RealizedCost` last judged drafting dearer per token than plain decoding: drafts
+        that were accepted but did not pay for their time (a draft model's forwards on a CPU).
+        Its judgements only: they need enough evidence and, for the cheap index sources, a
+        recent plain measurement to compare with (the machine's speed drifts). A majority, not
+        "every bucket": a draft model breaks even at one row here, and a rollout whose few tries
+        included one such step was never judged, so it probed every fourth rollout at 3-7 % of
+        that rollout's time."""
+        verdicts = [(n, self.realized.dearer[key]) for key, n in self._verified.items() if key in self.realized.dearer]
+        total = sum(n for n, _ in verdicts)
+        return total > 0 and 2 * sum(n for n, dear in verdicts if dear) > total
 
     def _enter(self, seqs: list[Sequence]) -> None:
         """Sequences were admitted: this rollout's situation, and whether it sleeps. The first

@@ -239,6 +239,10 @@ class RealizedCost:
         self._hold: dict[tuple[int, int], int] = {}
         self._backoff: dict[tuple[int, int], int] = {}
         self._stale: set[tuple[int, int]] = set()
+        # The last judgement of each (bucket, set): dearer than plain or not. Only judgements
+        # made (enough evidence, a plain measurement fresh enough for the set), for the gate's
+        # verdict on a whole rollout (the controller's dormancy).
+        self.dearer: dict[tuple[int, int], bool] = {}
 
     def lift(self, options: set[int]) -> None:
         """What these source sets draft from has changed: hold them no longer, measure afresh."""
@@ -246,6 +250,7 @@ class RealizedCost:
             del self._hold[key]
         for key in [k for k in self.spec if k[1] in options]:
             self._stale.add(key)
+            self.dearer.pop(key, None)
             self._backoff.pop(key, None)
             self._count.pop(key, None)
 
@@ -278,7 +283,8 @@ class RealizedCost:
         if plain is None or self._count[key] < (evidence or self.evidence) or \
                 (fresh is not None and self._age[b] > fresh):
             return
-        if self.spec[key] > plain * self.margin:
+        self.dearer[key] = self.spec[key] > plain * self.margin
+        if self.dearer[key]:
             n = self._backoff.get(key, backoff or self.backoff0)
             self._hold[key] = n
             self._backoff[key] = min(max_backoff or self.max_backoff, 2 * n)
@@ -309,10 +315,12 @@ class RealizedCost:
 
     def state(self) -> dict:
         return {"plain": sorted(self.plain.items()), "spec": sorted([b, o, r] for (b, o), r in self.spec.items()),
-                "backoff": sorted([b, o, n] for (b, o), n in self._backoff.items())}
+                "backoff": sorted([b, o, n] for (b, o), n in self._backoff.items()),
+                "dearer": sorted([b, o, int(d)] for (b, o), d in self.dearer.items())}
 
     def load(self, state: dict) -> None:
         self.plain = {int(b): float(r) for b, r in state.get("plain", [])}
         self.spec = {(int(b), int(o)): float(r) for b, o, r in state.get("spec", [])}
         self._backoff = {(int(b), int(o)): int(n) for b, o, n in state.get("backoff", [])}
+        self.dearer = {(int(b), int(o)): bool(d) for b, o, d in state.get("dearer", [])}
         self._stale = set(self.spec)
