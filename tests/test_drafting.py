@@ -605,14 +605,15 @@ def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidenc
 
 
 def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
-    """A rollout whose verified drafts were accepted (a draft model's, say) but measured dearer
-    per token than plain decoding where most of its verifications were (RealizedCost's
-    verdicts) did not pay either; where most verifications paid it stays awake."""
+    """A rollout whose verified drafts from a model were accepted but measured dearer per token
+    than plain decoding where most of its verifications were (RealizedCost's verdicts) did not
+    pay either; where most verifications paid it stays awake."""
     from rhymerl.drafting import SpecConfig
     from rhymerl.drafting.controller import UNPAID_TRIES
     from rhymerl.engine.sequence import Sequence
 
     def rollout(d, step: int, verified: set, spec: float, tries: int = UNPAID_TRIES, judged: bool = True) -> bool:
+        d._guarded = [model]  # as if the source ran a model (the rule is for those)
         d.begin(step)
         s = Sequence(step, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="p")
         s.output_ids, s.limit = [1, 2, 3], 50
@@ -629,6 +630,7 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
         d.on_finish(s)
         return dormant
 
+    model = True
     dear = build_proposer(SpecConfig(sources=["siblings"]))
     assert not rollout(dear, 1, {(8, 0), (3, 0)}, 1.5)
     assert rollout(dear, 2, set(), 0.0)
@@ -647,3 +649,6 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     assert not rollout(unjudged, 2, set(), 0.0)
     none = build_proposer(SpecConfig(sources=["siblings"]))  # no verification: nothing learnt
     assert not rollout(none, 1, set(), 0.0, tries=1) and not rollout(none, 2, set(), 0.0)
+    model = False  # cheap index sources: their holds act per bucket, the rollout stays awake
+    index = build_proposer(SpecConfig(sources=["siblings"]))
+    assert not rollout(index, 1, {(8, 0), (3, 0)}, 1.5) and not rollout(index, 2, set(), 0.0)

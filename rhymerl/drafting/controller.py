@@ -329,15 +329,16 @@ class SpecController:
         self._verified.clear()
 
     def _dearer(self) -> bool:
-        """Whether most of this rollout's verifications (counted per (bucket, source set)) were
-        where `RealizedCost` last judged drafting dearer per token than plain decoding: drafts
-        that were accepted but did not pay for their time (a draft model's forwards on a CPU).
-        Its judgements only: they need enough evidence and, for the cheap index sources, a
-        recent plain measurement to compare with (the machine's speed drifts). A majority, not
-        "every bucket": a draft model breaks even at one row here, and a rollout whose few tries
-        included one such step was never judged, so it probed every fourth rollout at 3-7 % of
-        that rollout's time."""
-        verdicts = [(n, self.realized.dearer[key]) for key, n in self._verified.items() if key in self.realized.dearer]
+        """Whether most of this rollout's verifications by source sets that run a model (counted
+        per (bucket, set)) were where `RealizedCost` last judged drafting dearer per token than
+        plain decoding: drafts that were accepted but did not pay for their time (a draft
+        model's forwards on a CPU). A majority, not "every bucket": a draft model breaks even at
+        one row here, and a rollout whose few tries included one such step was never judged, so
+        it probed every fourth rollout at 3-7 % of that rollout's time. The cheap index sources
+        are left to the per-bucket holds: a whole rollout put to sleep on their verdicts cost
+        the main job three rollouts of 3 tokens per forward, twice in two runs."""
+        verdicts = [(n, self.realized.dearer[key]) for key, n in self._verified.items()
+                    if self._guarded[key[1]] and key in self.realized.dearer]
         total = sum(n for n, _ in verdicts)
         return total > 0 and 2 * sum(n for n, dear in verdicts if dear) > total
 
