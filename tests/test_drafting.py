@@ -613,7 +613,7 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     from rhymerl.engine.sequence import Sequence
 
     def rollout(d, step: int, verified: set, spec: float, tries: int = UNPAID_TRIES, judged: bool = True) -> bool:
-        d._guarded = [model]  # as if the source ran a model (the rule is for those)
+        d._guarded = model if isinstance(model, list) else [model]  # as if sets ran a model (the rule is for those)
         d.begin(step)
         s = Sequence(step, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="p")
         s.output_ids, s.limit = [1, 2, 3], 50
@@ -652,3 +652,8 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     model = False  # cheap index sources: their holds act per bucket, the rollout stays awake
     index = build_proposer(SpecConfig(sources=["siblings"]))
     assert not rollout(index, 1, {(8, 0), (3, 0)}, 1.5) and not rollout(index, 2, set(), 0.0)
+    model = [True, False]  # a hybrid: a set with the model (dearer) and the index sources alone
+    hybrid = build_proposer(SpecConfig(sources=["siblings"]))
+    assert not rollout(hybrid, 1, {(8, 0): 2, (8, 1): 5}, 1.5)  # most drafts were the index sources'
+    assert not rollout(hybrid, 2, {(8, 0): 5, (8, 1): 2}, 1.5)  # not settled yet: the verdict is at the next
+    assert rollout(hybrid, 3, set(), 0.0)
