@@ -221,10 +221,10 @@ def test_step_overhead_compares_like_batches():
 
 
 def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
-    from rhymerl.drafting.gate import RealizedCost
+    from rhymerl.drafting.gate import HoldRule, RealizedCost
 
     cost = CostModel({(b, t): 0.001 * b for b in (1, 16, 128) for t in (1, 2, 5)})
-    r = RealizedCost(decay=0.0, backoff=2, max_backoff=4, max_age=3, margin=1.1, evidence=1)
+    r = RealizedCost(decay=0.0, max_age=3, margin=1.1, rule=HoldRule(evidence=1, backoff=2, max_backoff=4))
     assert not r.needs_plain(16) and r.allows(16, 0)  # nothing measured: draft
     r.update(cost, 16, 40, 0.016 * 3.0, option=0)  # 2.5 tokens a row for 3x the time: 1.2 per token
     assert r.needs_plain(16) and not r.needs_plain(128)  # drafting ran here, plain decoding never did
@@ -253,7 +253,7 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     back = RealizedCost()
     back.load(r.state())
     assert back.plain == r.plain and back.spec == r.spec and back.dearer == r.dearer and r.dearer
-    careful = RealizedCost(decay=0.0, evidence=2, margin=1.1)  # the defaults: one slow step holds nothing
+    careful = RealizedCost(decay=0.0, margin=1.1)  # the default rule: one slow step holds nothing
     careful.update(cost, 16, 16, 0.016, option=None)
     careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
     assert careful.allows(16, 0)
@@ -262,11 +262,11 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
     assert not careful.allows(16, 0)
     # a set whose tries are dear (a model's) is held longer, up to its own cap
-    dear = RealizedCost(decay=0.0, backoff=2, max_backoff=4)
+    dear = RealizedCost(decay=0.0, rule=HoldRule(backoff=2, max_backoff=4))
     dear.update(cost, 16, 16, 0.016, option=None)
     holds = []
     for _ in range(5):
-        dear.update(cost, 16, 40, 0.016 * 3.0, option=0, evidence=1, backoff=2, max_backoff=16)
+        dear.update(cost, 16, 40, 0.016 * 3.0, option=0, rule=HoldRule(evidence=1, backoff=2, max_backoff=16))
         holds.append(dear._hold[(5, 0)])
     assert holds == [2, 4, 8, 16, 16]
 

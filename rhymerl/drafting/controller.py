@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from rhymerl.drafting.config import SpecConfig
-from rhymerl.drafting.gate import AcceptanceEstimate, BucketAcceptance, RealizedCost, StepOverhead, best_width, uniform_width
+from rhymerl.drafting.gate import (AcceptanceEstimate, BucketAcceptance, HoldRule, RealizedCost, StepOverhead, best_width,
+                                   uniform_width)
 from rhymerl.drafting.length_policy import POLICIES
 from rhymerl.drafting.source import Candidate, DraftSource, IndexSource, SourceContext, get_source
 from rhymerl.drafting.suffix_index import longest_match_drafts
@@ -34,9 +35,13 @@ from rhymerl.engine.draft import DraftBatch, DraftTree
 from rhymerl.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-FRESH_PLAIN = 8  # index-only sets are judged against plain steps this recent (in their bucket)
-MODEL_BACKOFF = 32  # steps a source set that runs a model is first held off where it measured dearer
-MODEL_MAX_BACKOFF = 1024  # ... and at most, the hold doubling while it keeps measuring dearer
+# How measured costs hold source sets off (`RealizedCost`). Index-only sets: judged only against
+# plain steps of their bucket's last 8 (the gate is skipping there anyway). Sets that run a model:
+# their exploring steps are dear (a draft model's first step at batch 128 cost 3x a plain one),
+# so they are judged on one step against any plain measurement, held 32 steps at first and up
+# to 1,024 while they keep measuring dearer.
+CHEAP_RULE = HoldRule(fresh=8)
+MODEL_RULE = HoldRule(evidence=1, backoff=32, max_backoff=1024)
 MAX_WAIT = 32  # the longest the gate waits after drafts it threw away (steps)
 QUIET = 4  # steps without drafting, at one batch size, after the check before drafting said no
 PROBE_EVERY = 4  # where drafting did not pay, one rollout in this many drafts again (to see whether it does now)
@@ -537,9 +542,7 @@ class SpecController:
                 self._verified[(B.bit_length(), self._option)] += 1
             dear = drafted and self._guarded[self._option]  # a model's tries: judged at once, held longer
             self.realized.update(self.cost_model, B, self._emitted, max(1e-9, seconds - build),
-                                 self._option if drafted else None, fresh=None if dear else FRESH_PLAIN,
-                                 evidence=1 if dear else None, backoff=MODEL_BACKOFF if dear else None,
-                                 max_backoff=MODEL_MAX_BACKOFF if dear else None)
+                                 self._option if drafted else None, MODEL_RULE if dear else CHEAP_RULE)
         seconds = max(1e-9, seconds - max(build, self._draft_s))  # drafting is charged on its own
         if self.cost_model is not None:
             self.overhead.update(self.cost_model, B, width, seconds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from dataclasses import dataclass
 
 from rhymerl.engine.cost_model import CostModel
 
@@ -209,6 +210,17 @@ class StepOverhead:
         return max(1.0, self.spec[b] / self.plain[b])
 
 
+@dataclass(frozen=True)
+class HoldRule:
+    """How `RealizedCost` judges one source set: on at least ``evidence`` measurements, against
+    plain decoding measured in the bucket within its last ``fresh`` steps (None: any), held for
+    ``backoff`` steps when dearer, the hold doubling up to ``max_backoff`` while confirmed."""
+    evidence: int = 2  # one slow step on a shared machine must not switch off drafting that pays
+    backoff: int = 8
+    max_backoff: int = 128
+    fresh: int | None = None
+
+
 class RealizedCost:
     """Measured, not predicted: per batch-size bucket, what decode steps really cost per
     emitted token relative to the cost model's plain forward (EMA), for plain steps and for
@@ -217,21 +229,19 @@ class RealizedCost:
     The gate's prediction (cost model x acceptance estimate) is least reliable where drafts
     are poor (a prompt's first epoch, a draft model whose forwards cost a real fraction of the
     target's), and "never slower than no speculation" is judged on measured time. So: where a
-    source set has measured clearly dearer per token than plain decoding (``margin``, over at
-    least ``evidence`` steps), it is held off in that bucket for ``backoff`` of its steps, the hold doubling each time it is confirmed (up to
-    ``max_backoff``) and reset when the set measures cheaper. A bucket where drafting runs but
+    source set has measured clearly dearer per token than plain decoding (``margin``, on the
+    evidence its `HoldRule` asks for), it is held off in that bucket for the rule's ``backoff``
+    of its steps, the hold doubling each time it is confirmed (up to ``max_backoff``) and reset
+    when the set measures cheaper. A bucket where drafting runs but
     plain decoding was never measured (or not for ``max_age`` of its steps) takes one plain
     step to measure it. Holds outlast rollout steps (an exploring step is dear: at batch 128 a
     draft model's first step cost 3x a plain one), except where what a set drafts from has
     changed (:meth:`lift`: a history source after new history was recorded); the next
     measurement of a lifted set replaces its old one. Plain costs are kept."""
 
-    def __init__(self, decay: float = 0.7, backoff: int = 8, max_backoff: int = 128, max_age: int = 64,
-                 margin: float = 1.1, evidence: int = 2) -> None:
-        self.decay, self.backoff0, self.max_backoff, self.max_age = decay, backoff, max_backoff, max_age
-        # Hold only on clear evidence: dearer by more than `margin`, over `evidence` measurements
-        # (one slow step on a shared machine must not switch off drafting that pays).
-        self.margin, self.evidence = margin, evidence
+    def __init__(self, decay: float = 0.7, max_age: int = 64, margin: float = 1.1,
+                 rule: HoldRule = HoldRule()) -> None:
+        self.decay, self.max_age, self.margin, self.rule = decay, max_age, margin, rule
         self._count: dict[tuple[int, int], int] = {}  # measurements since the set was (re)started
         self.plain: dict[int, float] = {}
         self.spec: dict[tuple[int, int], float] = {}
@@ -255,13 +265,9 @@ class RealizedCost:
             self._count.pop(key, None)
 
     def update(self, cost: CostModel, B: int, emitted: int, seconds: float, option: int | None,
-               fresh: int | None = None, evidence: int | None = None, backoff: int | None = None,
-               max_backoff: int | None = None) -> None:
-        """One decode step's measurement; ``option`` is the source set that drafted (None: plain).
-        With ``fresh``, the set is judged only against plain decoding measured in the bucket
-        within its last ``fresh`` steps (like with like, before the machine's speed moves);
-        ``evidence``, ``backoff`` and ``max_backoff`` override the defaults for this set (a set
-        whose tries are dear is held on one, for longer, and up to a longer hold)."""
+               rule: HoldRule | None = None) -> None:
+        """One decode step's measurement; ``option`` is the source set that drafted (None: plain),
+        judged by ``rule`` (default: this instance's)."""
         if emitted <= 0:
             return
         r = seconds / cost.cost(B, 1) * B / emitted
@@ -280,16 +286,16 @@ class RealizedCost:
             self.spec[key] = self.decay * self.spec[key] + (1 - self.decay) * r
             self._count[key] = self._count.get(key, 0) + 1
         plain = self.plain.get(b)
-        if plain is None or self._count[key] < (evidence or self.evidence) or \
-                (fresh is not None and self._age[b] > fresh):
+        rule = rule or self.rule
+        if plain is None or self._count[key] < rule.evidence or (rule.fresh is not None and self._age[b] > rule.fresh):
             return
         self.dearer[key] = self.spec[key] > plain * self.margin
         if self.dearer[key]:
-            n = self._backoff.get(key, backoff or self.backoff0)
+            n = self._backoff.get(key, rule.backoff)
             self._hold[key] = n
-            self._backoff[key] = min(max_backoff or self.max_backoff, 2 * n)
+            self._backoff[key] = min(rule.max_backoff, 2 * n)
         else:
-            self._backoff[key] = backoff or self.backoff0
+            self._backoff[key] = rule.backoff
 
     def needs_plain(self, B: int) -> bool:
         """Whether this step should decode plainly to measure plain decoding in its bucket."""

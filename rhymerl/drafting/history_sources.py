@@ -61,12 +61,8 @@ class PromptHistorySource(IndexSource):
         return None if seq.prompt_key is None else self.index(seq.prompt_key)
 
     def available(self, seqs: list[Sequence]) -> bool:
-        prompts = self.store.prompts if self.store is not None else {}
-        for s in seqs:
-            h = prompts.get(s.prompt_key) if s.prompt_key is not None else None
-            if h is not None and h.rollouts:
-                return True
-        return False
+        store = self.store
+        return store is not None and any(s.prompt_key is not None and s.prompt_key in store for s in seqs)
 
     def indices(self, seqs: list[Sequence]) -> list[SuffixIndex | None]:
         found: dict[str | None, SuffixIndex | None] = {None: None}  # a prompt's samples share one
