@@ -174,14 +174,18 @@ def test_stripe_placement_is_never_slower_than_least_loaded(kind):
 def test_streamed_step_model():
     from rhymerl.scheduling.step_model import streamed_s
 
+    none = [0.0, 0.0]
     # groups done only at the rollout's end: nothing overlaps, the work follows the rollout
-    assert streamed_s(1.0, [1.0, 1.0], [0.1, 0.1], 0.3, 2.0, 2.0) == pytest.approx(1.5)
+    assert streamed_s(1.0, [1.0, 1.0], [0.1, 0.1], none, 0.3, 2.0, 2.0) == pytest.approx(1.5)
     # done early, cores to spare: the work hides in the rollout
-    assert streamed_s(1.0, [0.1, 0.2], [0.1, 0.1], 0.3, 1.0, 1.0) == pytest.approx(1.3)
+    assert streamed_s(1.0, [0.1, 0.2], [0.1, 0.1], none, 0.3, 1.0, 1.0) == pytest.approx(1.3)
     # both twice as slow while they overlap: what is hidden is lost again (two cores, four threads)
-    assert streamed_s(1.0, [0.1, 0.2], [0.1, 0.1], 0.3, 2.0, 2.0) == pytest.approx(1.5)
+    assert streamed_s(1.0, [0.1, 0.2], [0.1, 0.1], none, 0.3, 2.0, 2.0) == pytest.approx(1.5)
     # the work waits for a late group, then runs past the rollout's end
-    assert streamed_s(1.0, [0.9], [0.4], 0.0, 1.0, 1.0) == pytest.approx(1.3)
+    assert streamed_s(1.0, [0.9], [0.4], [0.0], 0.0, 1.0, 1.0) == pytest.approx(1.3)
+    # the first group in order lands last: the second's log-probs run meanwhile, its gradient
+    # share (which must follow the first's) only after; in order alone it would all follow (1.5)
+    assert streamed_s(1.0, [0.9, 0.1], [0.1, 0.3], [0.0, 0.2], 0.0, 1.0, 1.0) == pytest.approx(1.2)
 
 
 def test_reasoning_trace_reproduces_its_published_figures():
@@ -297,6 +301,34 @@ def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
     assert sorted(streamed) == sorted(list(range(len(reqs))) * 2)
     assert co.stats.accepted > 0  # step 2 drafted from step 1's history, shipped to the workers
     assert all(len(co.history.lengths(r.prompt_key)) == 4 for r in reqs)
+
+
+def test_a_worker_reports_each_whole_group_at_once_and_takes_the_cores_when_alone(model_dir):
+    """For a streamed update: with ``report_finished`` a slice ends when a group is whole (here
+    slices are otherwise longer than the rollout), the callback runs after the worker is sent
+    on, and a slice the caller says runs alone uses the spec's ``threads_alone``."""
+    import torch
+
+    from rhymerl.model import load_pretrained
+
+    reqs = _requests()
+    ref = _reference(model_dir, reqs)
+    spec = WorkerSpec(model_dir, max_num_seqs=16, max_model_len=64, threads=1, threads_alone=2)
+    pool = InprocPool([spec])
+    pool.update_weights(dict(load_pretrained(model_dir).named_parameters()))
+    co = RolloutCoordinator(pool, policy="even", max_num_seqs=16, slice_s=60.0, report_finished=True)
+    worker = pool.handles[0].worker
+    seen: list[int] = []
+    step = worker.engine.step
+    worker.engine.step = lambda: (seen.append(torch.get_num_threads()), step())[1]
+    reports: list[int] = []
+    co.on_report = lambda h, rep: reports.append(len(rep.finished))
+    done: list[int] = []
+    turns = iter([True, False] * 100)
+    outs = co.rollout(reqs, 1, on_done=lambda i, o: done.append(i), alone=lambda: next(turns))
+    assert _tokens(outs) == ref and sorted(done) == list(range(len(reqs)))
+    assert len(reports) > 1 and all(n > 0 for n in reports)  # every slice ended on a whole group
+    assert set(seen) == {1, 2}
 
 
 def test_migration_and_stealing_keep_the_tokens(model_dir):

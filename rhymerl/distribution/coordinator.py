@@ -73,6 +73,9 @@ class RolloutCoordinator:
         tail_fraction: tail migration starts once at most this share of the samples is unfinished.
         worker_timeout_s: a call running longer than this means the worker hangs: it is killed.
         slice_s: how long a worker runs between reports.
+        report_finished: a worker also reports as soon as one of its groups is whole (for a
+            caller that starts work on each group as it lands: a streamed update), at the cost
+            of a round trip per group.
         placement: how histopipe places its groups (``auto`` | ``lpt`` | ``contiguous`` | ``spread``).
 
     ``length_error_sigma`` is the coordinator's own measure of how well its last histopipe
@@ -82,13 +85,14 @@ class RolloutCoordinator:
     def __init__(self, pool: WorkerPool, *, policy: str = "histopipe", history=None, cost: StepCost | None = None,
                  max_num_seqs: int = 64, length_stat: str = "mean", tail_fraction: float = 0.1,
                  worker_timeout_s: float = 300.0, slice_s: float = 0.05, complementary: bool = True,
-                 migrate: bool = True, placement: str = "auto", tokenizer=None) -> None:
+                 migrate: bool = True, placement: str = "auto", tokenizer=None,
+                 report_finished: bool = False) -> None:
         self.pool, self.policy, self.history = pool, policy, history
         self.cost = cost or StepCost((1, 2), (1.0, 1.0))
         self.max_num_seqs, self.length_stat = max_num_seqs, length_stat
         self.tail_fraction, self.worker_timeout_s, self.slice_s = tail_fraction, worker_timeout_s, slice_s
         self.complementary, self.migrate, self.tokenizer = complementary, migrate, tokenizer
-        self.placement = placement
+        self.placement, self.report_finished = placement, report_finished
         self.length_error_sigma = 0.0
         self.stats = EngineStats()
         self.source_stats: dict[str, float] = {}  # "accepted/<source>", "drafted/<source>", cumulative
@@ -126,13 +130,16 @@ class RolloutCoordinator:
 
     # --- one step ----------------------------------------------------------------------------
     def rollout(self, requests: list[RolloutRequest], step: int, *, plan: Plan | None = None,
-                on_done: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+                on_done: Callable[[int, RequestOutput], None] | None = None,
+                alone: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """Generate every request; returns outputs in request order.
 
-        ``on_done(i, output)`` is called as soon as request i has all its samples.
+        ``on_done(i, output)`` is called as soon as request i has all its samples. ``alone()``,
+        asked before each worker's slice: nothing of the caller's runs beside it (the workers
+        may take their ``threads_alone``).
         """
         plan = plan or self.plan(requests, step)
-        outs = _StepRun(self, requests, step, plan, on_done).run()
+        outs = _StepRun(self, requests, step, plan, on_done, alone).run()
         if plan.policy == "histopipe" and plan.known is not None and plan.predicted is not None:
             k = [i for i, o in enumerate(outs) if plan.known[i] and o.error is None and o.outputs]
             if len(k) >= 2:
@@ -171,8 +178,10 @@ class _StepRun:
     """The bookkeeping of one rollout step: which samples are where, what is back."""
 
     def __init__(self, co: RolloutCoordinator, requests: list[RolloutRequest], step: int, plan: Plan,
-                 on_done: Callable[[int, RequestOutput], None] | None) -> None:
+                 on_done: Callable[[int, RequestOutput], None] | None,
+                 alone: Callable[[], bool] | None = None) -> None:
         self.co, self.requests, self.step, self.plan, self.on_done = co, requests, step, plan, on_done
+        self.alone = alone
         P = len(requests)
         self.results: list[dict[int, CompletionOutput]] = [dict() for _ in range(P)]
         self.outs: list[RequestOutput | None] = [None] * P
@@ -183,6 +192,9 @@ class _StepRun:
         self.where: dict[tuple[int, int], int] = {}  # (prompt, sample) -> worker index, while unfinished
         self.pending: dict[int, list[WorkItem]] = defaultdict(list)  # items not yet sent, per worker
         self.outstanding: dict[int, int] = defaultdict(int)  # unfinished samples per worker
+        # Whole requests not yet handed to on_done: the callback (scoring, a streamed update's
+        # hand-off) runs after the workers are sent on, so they never wait for it.
+        self.ready: list[int] = []
         self.pred = plan.predicted if plan.predicted is not None else np.zeros(P)
         wanted = [set(r.sample_indices()) for r in requests]
         for h, units in zip(co.pool.alive(), plan.workers):
@@ -223,7 +235,16 @@ class _StepRun:
                 self.kick(h)
             if not co.pool.alive():
                 raise RuntimeError("every rollout worker is lost")
+            self.hand_over()
+        self.hand_over()
         return self.outs  # type: ignore[return-value]
+
+    def hand_over(self) -> None:
+        """``on_done`` for every request that became whole since the last call."""
+        ready, self.ready = self.ready, []
+        if self.on_done is not None:
+            for p in ready:
+                self.on_done(p, self.outs[p])
 
     def new_item(self, p: int, samples: list[int], w: int, prefixes=None) -> None:
         co, r = self.co, self.requests[p]
@@ -241,7 +262,10 @@ class _StepRun:
         """Send the worker its new items and let it run a slice, if it has anything to do."""
         if h.alive and h.started_at is None and (self.pending[h.index] or self.outstanding[h.index] > 0):
             try:
-                h.start("advance", self.pending.pop(h.index, []), self.step, self.co.slice_s)
+                h.start("advance", self.pending.pop(h.index, []), self.step, self.co.slice_s,
+                        self.co.report_finished,
+                        # a request about to be handed over gives the caller work too
+                        self.alone is not None and not self.ready and self.alone())
             except WorkerLost as e:
                 self.lose(h, str(e))
 
@@ -270,8 +294,7 @@ class _StepRun:
         o = RequestOutput(request_id=p, prompt_token_ids=list(r.prompt_ids), prompt_key=r.prompt_key,
                           outputs=[self.results[p][s] for s in sorted(self.results[p])])
         self.outs[p] = o
-        if self.on_done is not None:
-            self.on_done(p, o)
+        self.ready.append(p)
 
     def lose(self, h: WorkerHandle, why: str) -> None:
         """A worker is gone: its unfinished samples go to the least loaded survivors, same seeds."""

@@ -41,9 +41,25 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     # of the cores (on 2 cores a 2-thread worker beside the 2-thread trainer slowed both 3-12x).
     sharers = R + (1 if cfg.trainer.async_staleness or cfg.trainer.stream_update else 0)
     threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // sharers))
+    # A streamed update's helper works only while a group it can take has landed: in the slices
+    # between (the coordinator says which) the workers share the cores among themselves.
+    alone = max(1, (os.cpu_count() or 1) // R) if cfg.trainer.stream_update and not r.threads else 0
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                        device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,
+                       threads_alone=alone if alone > threads else 0,
                        seed=cfg.seed + i, invariant=r.invariant) for i in range(R)]
+
+
+def trainer_threads_beside_workers(cfg: RunConfig) -> int:
+    """Torch threads for the trainer's work that overlaps the rollout (async RL, a streamed
+    update): the cores this machine's CPU workers leave, at least one; 0 (torch's default)
+    where the workers are not on this machine's cores (GPUs, a cluster of its own)."""
+    if in_process_worker(cfg) or cfg.cluster.address:
+        return 0
+    specs = worker_specs(cfg, "")
+    if any(s.device != "cpu" for s in specs):
+        return 0
+    return max(1, (os.cpu_count() or 1) - sum(s.threads for s in specs))
 
 
 def profile_cost(model_path: str | Path, cfg: RunConfig, threads: int) -> StepCost:
@@ -74,4 +90,6 @@ def build_coordinator(cfg: RunConfig, model_path: str | Path, named: Mapping[str
     return RolloutCoordinator(pool, policy=r.schedule, history=history, cost=cost, max_num_seqs=r.max_num_seqs,
                               length_stat=r.length_stat, tail_fraction=r.tail_fraction,
                               worker_timeout_s=r.worker_timeout_s, complementary=r.complementary,
-                              migrate=r.migrate, placement=r.placement, tokenizer=tokenizer)
+                              migrate=r.migrate, placement=r.placement, tokenizer=tokenizer,
+                              # a streamed update starts on each group as it lands
+                              report_finished=cfg.trainer.stream_update)

@@ -315,6 +315,10 @@ class LocalCosts:
     # from the thread count (:func:`shared_slowdowns`)
     beside_trainer: dict[int, tuple[float, float]] = field(default_factory=dict)
     history_draft_s_per_row: float = 0.0
+    # (engine, trainer) slow-downs while a lone worker generates beside a streamed update's
+    # helper, which runs on the cores the worker leaves (the trainer's relative to its time alone
+    # on every core); (0, 0): not measured, derived from the threads
+    beside_streamed: tuple[float, float] = (0.0, 0.0)
 
     def slowdowns(self, worker_threads: int) -> tuple[float, float]:
         """(rollout, trainer) slow-downs while a worker of ``worker_threads`` threads generates
@@ -322,6 +326,15 @@ class LocalCosts:
         if worker_threads in self.beside_trainer:
             return self.beside_trainer[worker_threads]
         return shared_slowdowns(self.cores, worker_threads, self.train_threads)
+
+    def streamed_slowdowns(self, worker_threads: int) -> tuple[float, float]:
+        """(rollout, trainer) slow-downs of a streamed update beside a lone worker of
+        ``worker_threads`` threads: its helper runs on the cores the worker leaves."""
+        if self.beside_streamed[0] > 0:
+            return self.beside_streamed
+        helper = max(1, self.cores - worker_threads)
+        slow_r, slow_t = shared_slowdowns(self.cores, worker_threads, helper)
+        return slow_r, slow_t * max(1.0, self.train_threads / helper)
 
 
 def scored_cost(cost: StepCost, scored_per_row: float, draft_s_per_row: float = 0.0) -> StepCost:
@@ -353,24 +366,43 @@ def local_rollout_s(costs: LocalCosts, forwards: list[list[int]], prompt_lens: l
     return local_rollout(costs, forwards, prompt_lens, **kw).makespan_s
 
 
-def streamed_s(rollout_s: float, done_s: list[float], work_s: list[float], rest_s: float, slow_rollout: float,
-               slow_train: float) -> float:
-    """A step whose update streams into its rollout (``trainer.stream_update``): each group's
-    work (``work_s``, in processing order) starts once the group is done (``done_s``, on the
-    rollout's own clock) and the one before it is finished; while both run, the rollout goes
-    ``slow_rollout`` and the work ``slow_train`` times slower (shared cores:
-    :func:`shared_slowdowns`); then the rest of the update."""
+def streamed_s(rollout_s: float, done_s: list[float], logp_s: list[float], grad_s: list[float], rest_s: float,
+               slow_rollout: float, slow_train: float) -> float:
+    """A step whose update streams into its rollout (``trainer.stream_update``), groups in
+    processing order: a group's log-probs (``logp_s``) can run once it is done (``done_s``, on the
+    rollout's own clock), its share of the first mini-batch's gradient (``grad_s``) only after
+    every group before it (:class:`rhymerl.training.stream.StreamedUpdate`: the next group in
+    order if it is done, else the log-probs of any later one that is). While both run, the
+    rollout goes ``slow_rollout`` and the work ``slow_train`` times slower (shared cores); once
+    the rollout ends the work left runs alone, then the rest of the update (``rest_s``)."""
+    n = len(done_s)
     t = tau = 0.0  # wall clock; the rollout's own progress
-    for done, w in zip(done_s, work_s):
-        if tau < done:  # the work waits for its group; the rollout runs alone meanwhile
-            t += done - tau
-            tau = done
+    prepared = [False] * n
+    nxt = 0
+
+    def run(w: float) -> None:
+        nonlocal t, tau
         if tau < rollout_s:  # both run until one of them is done
             dt = min(w * slow_train, (rollout_s - tau) * slow_rollout)
             t += dt
             tau += dt / slow_rollout
             w -= dt / slow_train
         t += max(0.0, w)
+
+    while nxt < n:
+        if done_s[nxt] <= tau or tau >= rollout_s:
+            run((0.0 if prepared[nxt] else logp_s[nxt]) + grad_s[nxt])
+            prepared[nxt] = True
+            nxt += 1
+            continue
+        later = next((i for i in range(nxt + 1, n) if not prepared[i] and done_s[i] <= tau), None)
+        if later is not None:
+            run(logp_s[later])
+            prepared[later] = True
+            continue
+        land = min(rollout_s, min(done_s[i] for i in range(nxt, n) if not prepared[i]))
+        t += land - tau  # nothing has landed: the rollout runs alone until a group does
+        tau = land
     t += max(0.0, rollout_s - tau)
     return t + rest_s
 

@@ -413,7 +413,9 @@ class RLRun:
         src0 = dict(self.rollout.source_stats)
         p0 = vars(pipe).copy()
         t = time.perf_counter()
-        self.rollout.rollout(reqs, step, on_done=on_done)  # on_done sees every request
+        # on_done sees every request; a streamed update's helper shares the cores only when busy
+        self.rollout.rollout(reqs, step, on_done=on_done,
+                             alone=streamed.idle if streamed is not None and streamed.background else None)
         gen_s = time.perf_counter() - t - reward_s
         carry: list[CarriedGroup] = []
         done = [i for i in range(len(reqs)) if i in scored]
@@ -476,13 +478,15 @@ class RLRun:
 
     def _streamed(self, step: int, predicted: list[float | None]):
         """The prompt split's update work for step ``step``'s groups (streamed or after)."""
+        from rhymerl.distribution.factory import trainer_threads_beside_workers
         from rhymerl.training.stream import StreamedUpdate, processing_order, prompt_minibatches
 
         cfg, P = self.cfg, len(predicted)
         first = prompt_minibatches(P, cfg.trainer.ppo_mini_batches, cfg.seed, step, 0)[0]
         return StreamedUpdate(self.trainer, cfg, self.tokenizer.pad_token_id or 0,
                               processing_order(predicted, P, cfg.seed, step), set(first),
-                              background=cfg.trainer.stream_update)
+                              background=cfg.trainer.stream_update,
+                              threads=trainer_threads_beside_workers(cfg) if cfg.trainer.stream_update else 0)
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
         """HistoPipe's length prediction per prompt (None without history), for the trace."""

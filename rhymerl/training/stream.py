@@ -73,6 +73,9 @@ class StreamedUpdate:
         first: the slots of the first mini-batch of the first PPO epoch.
         background: process groups in a thread as they arrive (streaming); else all at
             :meth:`finish`.
+        threads: torch threads of that thread while the rollout runs (the cores the rollout
+            workers leave; 0: torch's default). At :meth:`finish` the caller's thread, with all
+            of its threads, takes over the groups not yet started.
     """
 
     trainer: PolicyTrainer
@@ -81,6 +84,7 @@ class StreamedUpdate:
     order: list[int]
     first: set[int]
     background: bool = True
+    threads: int = 0
     groups: dict[int, GroupRows] = field(default_factory=dict, init=False)
     first_tokens: int = field(default=0, init=False)
     finite: bool = field(default=True, init=False)
@@ -91,6 +95,7 @@ class StreamedUpdate:
         self._arrived: dict[int, _Slot | None] = {}
         self._cv = threading.Condition()
         self._next = 0
+        self._handover = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if self.background:
@@ -107,45 +112,79 @@ class StreamedUpdate:
 
     def finish(self) -> None:
         """Every group is in: process what is left, in order."""
+        with self._cv:
+            for s in self.order:  # a slot the rollout never reported trains on nothing
+                self._arrived.setdefault(s, None)
+            self._handover = True
+            self._cv.notify()
         if self._thread is not None:
-            with self._cv:
-                for s in self.order:  # a slot the rollout never reported trains on nothing
-                    self._arrived.setdefault(s, None)
-                self._cv.notify()
+            # The rollout is over: its cores are free, so the helper stops after its current
+            # group and this thread (all its torch threads) does the rest.
             self._thread.join()
             if self._error is not None:
                 raise self._error
-            return
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        for s in self.order:
-            self._arrived.setdefault(s, None)
-        while self._next < len(self.order):
-            self._process(self.order[self._next])
-            self._next += 1
+        else:
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+        while (job := self._pick()) is not None and job[1] >= 0:
+            self._run(*job)
+
+    def idle(self) -> bool:
+        """Nothing that has landed is left to work on (the rollout may take every core)."""
+        with self._cv:
+            return self._pick() is None
 
     # --- the work -------------------------------------------------------------------------------
+    def _pick(self) -> tuple[bool, int] | None:
+        """The next piece of work: ``(True, slot)`` the next group in order (the first
+        mini-batch's gradient accumulates in that order, so it is the same sum streamed or
+        not), else ``(False, slot)`` the log-probs of a later group that has landed (a group's
+        log-probs depend on nothing else: any order gives the same bits); ``(True, -1)`` when
+        every group is done, None when nothing that has landed is left."""
+        if self._next >= len(self.order):
+            return True, -1
+        slot = self.order[self._next]
+        if slot in self._arrived:
+            return True, slot
+        for s in self.order[self._next + 1:]:
+            if self._arrived.get(s) is not None and s not in self.groups:
+                return False, s
+        return None
+
     def _loop(self) -> None:
         try:
-            while self._next < len(self.order):
-                slot = self.order[self._next]
+            if self.threads > 0:
+                # torch's intra-op thread count is per thread here (OpenMP's), so this leaves
+                # the caller's alone; on 2 cores a 2-thread helper beside a 1-thread worker ran
+                # 3x slower than alone (spinning threads on a shared core).
+                torch.set_num_threads(self.threads)
+            while True:
                 with self._cv:
-                    while slot not in self._arrived:
+                    while (job := self._pick()) is None and not self._handover:
                         self._cv.wait()
-                self._process(slot)
-                self._next += 1
+                    if self._handover or job is None or job[1] < 0:
+                        return
+                self._run(*job)
         except BaseException as e:  # raised again in the controller's thread, at finish
             self._error = e
 
-    def _process(self, slot: int) -> None:
+    def _run(self, in_order: bool, slot: int) -> None:
+        t = time.perf_counter()
+        if slot not in self.groups:
+            self._prepare(slot)
+        if in_order:
+            self._accumulate(slot)
+            self._next += 1
+        self.busy_s += time.perf_counter() - t
+
+    def _prepare(self, slot: int) -> None:
+        """A landed group's old (and reference) log-probs, rewards and advantages."""
         got = self._arrived[slot]
         if got is None:
             return
-        t = time.perf_counter()
         algo, r = self.cfg.algorithm, self.cfg.rollout
-        tr = self.trainer
         n = len(got.responses)
         exp = Experience.build([got.prompt] * n, got.responses, [0.0] * n, self.pad_id)
-        tr.compute_logps(exp)
+        self.trainer.compute_logps(exp)
         reward, seq_kl = shaped_rewards(torch.tensor(got.scores, dtype=torch.float32),
                                         torch.tensor([len(x) for x in got.responses]), algo, r.max_tokens,
                                         exp.old_logp, exp.ref_logp, exp.response_mask)
@@ -154,14 +193,19 @@ class StreamedUpdate:
                                                             norm_by_std=algo.norm_adv_by_std).float()
         tokens = int(exp.response_mask.sum())
         self.groups[slot] = GroupRows(got.prompt, got.responses, exp, tokens, reward, kl_sum)
-        if slot in self.first and self.finite:
-            tr.model.train()
-            # unnormalised (norm 1): the mini-batch's token count divides the gradient at the end
-            self.finite = tr.accumulate_gradient(exp, torch.arange(n), lambda k, v, w: self.sums.append((k, v, w)),
-                                                 norm_tokens=1.0)
-            tr.model.eval()
-            self.first_tokens += tokens
-        self.busy_s += time.perf_counter() - t
+
+    def _accumulate(self, slot: int) -> None:
+        """The group's share of the first mini-batch's gradient, if it is in it."""
+        g = self.groups.get(slot)
+        if g is None or slot not in self.first or not self.finite:
+            return
+        tr, n = self.trainer, len(g.responses)
+        tr.model.train()
+        # unnormalised (norm 1): the mini-batch's token count divides the gradient at the end
+        self.finite = tr.accumulate_gradient(g.exp, torch.arange(n), lambda k, v, w: self.sums.append((k, v, w)),
+                                             norm_tokens=1.0)
+        tr.model.eval()
+        self.first_tokens += g.tokens
 
 
 def fill_batch(groups: list[GroupRows], pad_id: int) -> tuple[Experience, list[int]]:
