@@ -95,7 +95,8 @@ class StreamedUpdate:
         self._arrived: dict[int, _Slot | None] = {}
         self._cv = threading.Condition()
         self._next = 0
-        self._handover = False
+        self._taken: set[int] = set()  # groups whose log-probs a thread is computing
+        self._over = False  # the rollout is over
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if self.background:
@@ -108,25 +109,43 @@ class StreamedUpdate:
         """Group ``slot`` is whole and scored; ``prompt`` None: it trains on nothing (filtered)."""
         with self._cv:
             self._arrived[slot] = _Slot(prompt, responses, scores) if prompt is not None else None
-            self._cv.notify()
+            self._cv.notify_all()
 
     def finish(self) -> None:
-        """Every group is in: process what is left, in order."""
+        """Every group is in: process what is left."""
         with self._cv:
             for s in self.order:  # a slot the rollout never reported trains on nothing
                 self._arrived.setdefault(s, None)
-            self._handover = True
-            self._cv.notify()
-        if self._thread is not None:
-            # The rollout is over: its cores are free, so the helper stops after its current
-            # group and this thread (all its torch threads) does the rest.
-            self._thread.join()
-            if self._error is not None:
-                raise self._error
-        else:
+            self._over = True
+            self._cv.notify_all()
+        if self._thread is None:
             self.trainer.optimizer.zero_grad(set_to_none=True)
-        while (job := self._pick()) is not None and job[1] >= 0:
-            self._run(*job)
+            while (job := self._pick()) is not None and job[1] >= 0:
+                self._run(*job)
+            return
+        # The rollout's cores are free: this thread computes later groups' log-probs beside the
+        # helper (independent work), at the helper's thread count, so every group's numbers are
+        # the same whichever thread computed them (torch's CPU kernels can differ in the last
+        # bits between thread counts; run to run, a streamed step is the same).
+        before = torch.get_num_threads()
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        try:
+            while self._error is None:
+                with self._cv:
+                    slot = next((s for s in reversed(self.order[self._next + 1:])
+                                 if self._arrived.get(s) is not None and s not in self.groups and s not in self._taken),
+                                None)
+                    if slot is None:
+                        break
+                    self._taken.add(slot)
+                self._run(False, slot)
+        finally:
+            if self.threads > 0:
+                torch.set_num_threads(before)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
     def idle(self) -> bool:
         """Nothing that has landed is left to work on (the rollout may take every core)."""
@@ -135,18 +154,18 @@ class StreamedUpdate:
 
     # --- the work -------------------------------------------------------------------------------
     def _pick(self) -> tuple[bool, int] | None:
-        """The next piece of work: ``(True, slot)`` the next group in order (the first
-        mini-batch's gradient accumulates in that order, so it is the same sum streamed or
-        not), else ``(False, slot)`` the log-probs of a later group that has landed (a group's
-        log-probs depend on nothing else: any order gives the same bits); ``(True, -1)`` when
-        every group is done, None when nothing that has landed is left."""
+        """The helper's next piece of work (under the lock): ``(True, slot)`` the next group in
+        order (the first mini-batch's gradient accumulates in that order, so it is the same sum
+        streamed or not), else ``(False, slot)`` the log-probs of a later group that has landed
+        (a group's log-probs depend on nothing else); ``(True, -1)`` when every group is done,
+        None when nothing that has landed is free to take."""
         if self._next >= len(self.order):
             return True, -1
         slot = self.order[self._next]
         if slot in self._arrived:
-            return True, slot
+            return None if slot in self._taken else (True, slot)  # taken: the other thread's, wait
         for s in self.order[self._next + 1:]:
-            if self._arrived.get(s) is not None and s not in self.groups:
+            if self._arrived.get(s) is not None and s not in self.groups and s not in self._taken:
                 return False, s
         return None
 
@@ -159,13 +178,16 @@ class StreamedUpdate:
                 torch.set_num_threads(self.threads)
             while True:
                 with self._cv:
-                    while (job := self._pick()) is None and not self._handover:
+                    while (job := self._pick()) is None:
                         self._cv.wait()
-                    if self._handover or job is None or job[1] < 0:
+                    if job[1] < 0:
                         return
+                    self._taken.add(job[1])
                 self._run(*job)
         except BaseException as e:  # raised again in the controller's thread, at finish
             self._error = e
+            with self._cv:
+                self._cv.notify_all()
 
     def _run(self, in_order: bool, slot: int) -> None:
         t = time.perf_counter()
@@ -173,8 +195,12 @@ class StreamedUpdate:
             self._prepare(slot)
         if in_order:
             self._accumulate(slot)
-            self._next += 1
-        self.busy_s += time.perf_counter() - t
+        with self._cv:
+            self._taken.discard(slot)
+            if in_order:
+                self._next += 1
+            self.busy_s += time.perf_counter() - t
+            self._cv.notify_all()
 
     def _prepare(self, slot: int) -> None:
         """A landed group's old (and reference) log-probs, rewards and advantages."""
