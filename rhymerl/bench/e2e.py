@@ -38,13 +38,12 @@ SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 
 def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int, policy: str, in_process: bool,
                     async_rl: bool, max_num_seqs: int, threads: int, drafts: bool,
-                    stream: tuple[int, int] | None = None, threads_alone: int = 0) -> list[dict[str, float]]:
+                    stream: tuple[int, int] | None = None) -> list[dict[str, float]]:
     """The whole-step model's time of every logged step of one variant (``step_s``, with its
     rollout's ``gen_s`` and the trainer's ``train_s`` alone), from the variant's own length and
     forward traces (what speculation did), with ``costs`` measured apart from the runs.
     ``threads``: each worker process's; ``drafts``: the history drafter runs; ``stream``: (seed,
-    mini-batches) of a variant whose update streams into its rollout; ``threads_alone``: its
-    worker's threads while the update has nothing to do (:class:`rhymerl.distribution.work.WorkerSpec`)."""
+    mini-batches) of a variant whose update streams into its rollout."""
     import json
 
     from rhymerl.scheduling.step_model import local_rollout, local_rollout_s, overlapped_s, streamed_s
@@ -71,13 +70,6 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
             seed, mbs = stream
             sim = local_rollout(costs, forwards, t["prompt_lens"], workers=1, policy="even", in_process=False, **shape)
             done, makespan = list(sim.prompt_done_s), sim.makespan_s
-            # on every core until the first group is whole, then its own share (the gaps the
-            # helper waits in between are not modelled)
-            if threads_alone > threads:
-                alone = local_rollout(costs, forwards, t["prompt_lens"], workers=1, policy="even", in_process=True,
-                                      **shape)
-                shift = min(alone.prompt_done_s) - min(done)
-                done, makespan = [d + shift for d in done], makespan + shift
             P = len(t["lengths"])
             first = set(prompt_minibatches(P, mbs, seed, r["step"], 0)[0])
             order = processing_order(t["predicted"], P, seed, r["step"])
@@ -197,7 +189,7 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     shape = {name: dict(workers=r.cfg.rollout.workers, policy=r.cfg.rollout.schedule, in_process=in_process_worker(r.cfg),
                         async_rl=r.cfg.trainer.async_staleness > 0,
                         threads=worker_specs(r.cfg, base)[0].threads or costs.cores,
-                        threads_alone=worker_specs(r.cfg, base)[0].threads_alone,
+                        
                         drafts=r.cfg.rollout.speculative.method != "none") for name, r in runs.items()}
     # the first epoch's prompts have no history yet: the "after epoch 1" columns leave it out
     skip = min(num_train // batch_prompts, steps - 1)

@@ -130,16 +130,14 @@ class RolloutCoordinator:
 
     # --- one step ----------------------------------------------------------------------------
     def rollout(self, requests: list[RolloutRequest], step: int, *, plan: Plan | None = None,
-                on_done: Callable[[int, RequestOutput], None] | None = None,
-                alone: Callable[[], bool] | None = None) -> list[RequestOutput]:
+                on_done: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Generate every request; returns outputs in request order.
 
-        ``on_done(i, output)`` is called as soon as request i has all its samples. ``alone()``,
-        asked before each worker's slice: nothing of the caller's runs beside it (the workers
-        may take their ``threads_alone``).
+        ``on_done(i, output)`` is called as soon as request i has all its samples (after the
+        workers that reported it are sent on).
         """
         plan = plan or self.plan(requests, step)
-        outs = _StepRun(self, requests, step, plan, on_done, alone).run()
+        outs = _StepRun(self, requests, step, plan, on_done).run()
         if plan.policy == "histopipe" and plan.known is not None and plan.predicted is not None:
             k = [i for i, o in enumerate(outs) if plan.known[i] and o.error is None and o.outputs]
             if len(k) >= 2:
@@ -178,10 +176,8 @@ class _StepRun:
     """The bookkeeping of one rollout step: which samples are where, what is back."""
 
     def __init__(self, co: RolloutCoordinator, requests: list[RolloutRequest], step: int, plan: Plan,
-                 on_done: Callable[[int, RequestOutput], None] | None,
-                 alone: Callable[[], bool] | None = None) -> None:
+                 on_done: Callable[[int, RequestOutput], None] | None) -> None:
         self.co, self.requests, self.step, self.plan, self.on_done = co, requests, step, plan, on_done
-        self.alone = alone
         P = len(requests)
         self.results: list[dict[int, CompletionOutput]] = [dict() for _ in range(P)]
         self.outs: list[RequestOutput | None] = [None] * P
@@ -263,9 +259,7 @@ class _StepRun:
         if h.alive and h.started_at is None and (self.pending[h.index] or self.outstanding[h.index] > 0):
             try:
                 h.start("advance", self.pending.pop(h.index, []), self.step, self.co.slice_s,
-                        self.co.report_finished,
-                        # a request about to be handed over gives the caller work too
-                        self.alone is not None and not self.ready and self.alone())
+                        self.co.report_finished)
             except WorkerLost as e:
                 self.lose(h, str(e))
 

@@ -41,12 +41,8 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     # of the cores (on 2 cores a 2-thread worker beside the 2-thread trainer slowed both 3-12x).
     sharers = R + (1 if cfg.trainer.async_staleness or cfg.trainer.stream_update else 0)
     threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // sharers))
-    # A streamed update's helper works only while a group it can take has landed: in the slices
-    # between (the coordinator says which) the workers share the cores among themselves.
-    alone = max(1, (os.cpu_count() or 1) // R) if cfg.trainer.stream_update and not r.threads else 0
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                        device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,
-                       threads_alone=alone if alone > threads else 0,
                        seed=cfg.seed + i, invariant=r.invariant) for i in range(R)]
 
 

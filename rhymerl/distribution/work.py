@@ -24,9 +24,6 @@ class WorkerSpec:
     dtype: str = "float32"
     speculative: SpecConfig | None = None  # history arrives with the work
     threads: int = 1  # torch intra-op threads of this worker (0: leave as they are)
-    # Threads for the slices the controller runs it alone, if more (0: ``threads`` throughout):
-    # a streamed update's helper shares the cores only while it has a group to work on.
-    threads_alone: int = 0
     seed: int = 0
     invariant: bool = False  # shape-invariant numerics (rhymerl.model.invariant)
 

@@ -17,7 +17,6 @@ class RolloutWorker:
 
         if spec.threads > 0:  # 0: an in-process worker keeps the caller's threads
             torch.set_num_threads(spec.threads)
-        self.threads, self.threads_alone = spec.threads, spec.threads_alone
         self.llm = LLM(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
                        device=spec.device, dtype=spec.dtype, speculative=spec.speculative, seed=spec.seed,
                        invariant=spec.invariant)
@@ -62,11 +61,9 @@ class RolloutWorker:
         if fn is not None:
             fn(state)
 
-    def advance(self, items: list[WorkItem], step: int, seconds: float, until_finished: bool = False,
-                alone: bool = False) -> WorkerReport:
+    def advance(self, items: list[WorkItem], step: int, seconds: float, until_finished: bool = False) -> WorkerReport:
         """Queue ``items``, then run engine steps for about ``seconds`` (at least one step), or
-        with ``until_finished`` until an item finishes, if sooner; ``alone``: nothing runs beside
-        this slice (its spec's ``threads_alone``)."""
+        with ``until_finished`` until an item finishes, if sooner."""
         finished, self._done = [r for r in self._done if r.outputs], []
         for it in items:
             if self.store is not None and it.prompt_key is not None:
@@ -83,10 +80,6 @@ class RolloutWorker:
             self._step = step
             if self.engine.proposer is not None and hasattr(self.engine.proposer, "begin"):
                 self.engine.proposer.begin(step)
-        if self.threads_alone > 0:
-            want = self.threads_alone if alone else self.threads  # 0: in process, the caller's
-            if want > 0 and torch.get_num_threads() != want:
-                torch.set_num_threads(want)
         t0 = time.perf_counter()
         while self.engine.has_unfinished():
             for out in self.engine.step():

@@ -413,9 +413,7 @@ class RLRun:
         src0 = dict(self.rollout.source_stats)
         p0 = vars(pipe).copy()
         t = time.perf_counter()
-        # on_done sees every request; a streamed update's helper shares the cores only when busy
-        self.rollout.rollout(reqs, step, on_done=on_done,
-                             alone=streamed.idle if streamed is not None and streamed.background else None)
+        self.rollout.rollout(reqs, step, on_done=on_done)  # on_done sees every request
         gen_s = time.perf_counter() - t - reward_s
         carry: list[CarriedGroup] = []
         done = [i for i in range(len(reqs)) if i in scored]

@@ -147,11 +147,6 @@ class StreamedUpdate:
         if self._error is not None:
             raise self._error
 
-    def idle(self) -> bool:
-        """Nothing that has landed is left to work on (the rollout may take every core)."""
-        with self._cv:
-            return self._pick() is None
-
     # --- the work -------------------------------------------------------------------------------
     def _pick(self) -> tuple[bool, int] | None:
         """The helper's next piece of work (under the lock): ``(True, slot)`` the next group in
