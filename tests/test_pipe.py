@@ -13,8 +13,8 @@ from rhymerl.drafting import HistoryStore
 from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.llm import LLM
 from rhymerl.model import save_pretrained
-from rhymerl.scheduling import StepCost, make_plan, predict_lengths, simulate, spearman
-from rhymerl.scheduling.length_predictor import log_error_sigma
+from rhymerl.scheduling import GPU_8B_H100, StepCost, make_plan, predict_lengths, simulate, spearman
+from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
 from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous
 from rhymerl.scheduling.plan import Plan, WorkUnit
 from rhymerl.scheduling.planner import PLACEMENTS, POLICIES, estimate_s
@@ -135,7 +135,6 @@ def placement_makespans(kind: str, workers: int, names: tuple[str, ...]) -> dict
     prompts: predictions from the previous epoch only, the truth drawn apart from them.
     ``least_loaded`` is the routing policy, the other names HistoPipe's placements."""
     from rhymerl.bench.pipe import MAX_TOKENS, scaled_workload, synthetic_pairs
-    from rhymerl.scheduling import GPU_8B_H100
     from rhymerl.scheduling.length_predictor import predicted_samples
 
     pairs = synthetic_pairs(kind, 1024, 16, np.random.default_rng(3))
@@ -214,6 +213,44 @@ def test_simulator_matches_hand_computation():
     plan2 = make_plan("even", [[10], [2]], 2, cost=FLAT, max_num_seqs=4)
     r2 = simulate(plan2, [[10], [2]], 0, FLAT, max_num_seqs=4)
     assert r2.makespan_s == pytest.approx(10.0) and r2.bubble_fraction == pytest.approx(0.4)
+
+
+def test_compiled_simulator_equals_its_python_reference():
+    """The compiled event loop and the Python reference give the same results to the bit, with
+    and without tail migration and stealing, on shared cores and own devices."""
+    from rhymerl.scheduling import simulator as S
+
+    if S._core is None:
+        pytest.skip("the compiled simulator core is not built (pip install -e .)")
+    rng = np.random.default_rng(0)
+    costs = [GPU_8B_H100, StepCost((1, 4, 16, 64), (1.0, 1.3, 2.0, 5.0), 0.01), StepCost((1, 2), (1.0, 1.0), 0.5),
+             StepCost((2, 8, 32), (0.5, 0.9, 3.0), 0.002)]
+    moved = stolen = 0
+    for trial in range(60):
+        R, P, n = int(rng.integers(1, 12)), int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        true = [rng.lognormal(np.log(rng.uniform(5, 200)), rng.uniform(0.05, 1.2), size=n).astype(int).clip(1).tolist()
+                for _ in range(P)]
+        prev = [rng.lognormal(np.log(np.mean(t) + 1), 0.3, size=n).tolist() for t in true]
+        policy = ("even", "least_loaded", "histopipe", "oracle")[trial % 4]
+        cost, mns = costs[trial % len(costs)], int(rng.integers(1, 64))
+        plan = make_plan(policy, true if policy == "oracle" else predicted_samples(prev, [n] * P), R, cost=cost,
+                         max_num_seqs=mns, prompt_len=10.0, step=trial, error_sigma=0.2, max_tokens=4000)
+        plan.migrate = plan.migrate or bool(trial % 2)
+        kw = dict(max_num_seqs=mns, tail_fraction=float(rng.choice([0.1, 0.5, 1.0])))
+        if trial % 3 == 0:
+            kw.update(cores=2.0, threads=1, contention=1.1)
+        args = (plan, true, int(rng.integers(0, 30)), cost)
+        a = S.simulate(*args, **kw)
+        core, S._core = S._core, None
+        try:
+            b = S.simulate(*args, **kw)
+        finally:
+            S._core = core
+        assert (a.makespan_s, a.busy_s, a.prompt_done_s, a.migrations, a.steals, a.tail_share) == \
+            (b.makespan_s, b.busy_s, b.prompt_done_s, b.migrations, b.steals, b.tail_share), trial
+        moved += a.migrations > 0
+        stolen += a.steals > 0
+    assert moved and stolen  # both run-time moves were exercised
 
 
 def test_simulator_shares_cores_between_busy_workers():

@@ -21,6 +21,11 @@ import numpy as np
 from rhymerl.scheduling.cost import StepCost
 from rhymerl.scheduling.plan import Plan
 
+try:  # the compiled event loop, built by the package's install (setup.py)
+    from rhymerl.scheduling import _simulator_core as _core
+except ImportError:  # pragma: no cover - a source tree without the build: the Python reference
+    _core = None
+
 
 @dataclass
 class SimResult:
@@ -86,13 +91,52 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
         pred = np.array([np.mean(x) for x in lengths])
     req_prompt: list[int] = []
     req_len: list[int] = []
-    ws = [_Worker() for _ in range(R)]
-    for w, units in zip(ws, plan.workers):
+    offsets = [0]
+    for units in plan.workers:
         for u in units:
+            row = lengths[u.prompt]
             for s in u.samples:
-                w.queue.append(len(req_prompt))
                 req_prompt.append(u.prompt)
-                req_len.append(max(1, int(lengths[u.prompt][s])))
+                req_len.append(max(1, int(row[s])))
+        offsets.append(len(req_prompt))
+    args = (np.asarray(offsets, dtype=np.int64), np.asarray(req_prompt, dtype=np.int64),
+            np.asarray(req_len, dtype=np.int64), np.asarray(pred, dtype=np.float64),
+            np.asarray(plens, dtype=np.int64))
+    if _core is not None:
+        out = _core.run_events(*args, np.asarray(cost.batch, dtype=np.float64),
+                               np.asarray(cost.seconds, dtype=np.float64), float(cost.prefill_per_token_s),
+                               max_num_seqs, bool(plan.migrate), float(tail_fraction))
+    else:
+        out = _events_reference(*args, cost, max_num_seqs, bool(plan.migrate), float(tail_fraction))
+    finished_at = out["finished_at"]
+    makespan = max(out["done_at"], default=0.0)
+    busy = list(out["busy"])
+    ninety_at = out["ninety_at"]
+    if cores is not None:
+        makespan, busy, to_wall = _shared_cores(out["spans"], cores, threads, contention)
+        finished_at = to_wall(finished_at)
+    prompt_done = np.zeros(P)
+    np.maximum.at(prompt_done, args[1], np.asarray(finished_at, dtype=np.float64))
+    bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
+    tail = 1.0 - ninety_at / makespan if cores is None and ninety_at is not None and makespan > 0 else 0.0
+    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), out["migrations"], out["steals"], busy, tail,
+                     prompt_done.tolist())
+
+
+def _events_reference(offsets: np.ndarray, req_prompt_a: np.ndarray, req_len_a: np.ndarray, pred: np.ndarray,
+                      plens_a: np.ndarray, cost: StepCost, max_num_seqs: int, migrate_on: bool,
+                      tail_fraction: float) -> dict:
+    """The event loop in Python: worker ``w`` runs requests ``offsets[w]:offsets[w+1]`` in
+    that order. The compiled core (``_simulator_core.cpp``) is the same algorithm, operation for
+    operation; the tests hold the two equal to the bit."""
+    R = len(offsets) - 1
+    req_prompt = req_prompt_a.tolist()
+    req_len = req_len_a.tolist()
+    plens = plens_a.tolist()
+    pred = pred.tolist()
+    ws = [_Worker() for _ in range(R)]
+    for wi, w in enumerate(ws):
+        w.queue.extend(range(int(offsets[wi]), int(offsets[wi + 1])))
     total = len(req_prompt)
     # Workers by how many samples wait in their queue (a lazy max-heap: an entry's count may be
     # stale, checked when it comes to the top): what an idle worker takes from first.
@@ -223,7 +267,7 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
     idle = [wi for wi, w in enumerate(ws) if not w.running]
     now = 0.0
     while True:
-        if plan.migrate and idle:
+        if migrate_on and idle:
             still = []
             for k, wi in enumerate(idle):
                 t_open = max(ws[wi].t, now)
@@ -267,17 +311,8 @@ def simulate(plan: Plan, lengths: list[list[int]], prompt_lens: list[int] | int,
         schedule(wi)
         if not w.running:
             idle.append(wi)
-    makespan = max((w.done_at for w in ws), default=0.0)
-    busy = [w.busy for w in ws]
-    if cores is not None:
-        makespan, busy, to_wall = _shared_cores([w.spans for w in ws], cores, threads, contention)
-        finished_at = to_wall(finished_at)
-    prompt_done = np.zeros(P)
-    np.maximum.at(prompt_done, np.asarray(req_prompt, dtype=np.int64), np.asarray(finished_at, dtype=np.float64))
-    bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
-    tail = 1.0 - ninety_at / makespan if cores is None and ninety_at is not None and makespan > 0 else 0.0
-    return SimResult(plan.policy, R, makespan, bubble, int(sum(req_len)), migrations, steals, busy, tail,
-                     prompt_done.tolist())
+    return {"done_at": [w.done_at for w in ws], "busy": [w.busy for w in ws], "finished_at": finished_at,
+            "spans": [w.spans for w in ws], "migrations": migrations, "steals": steals, "ninety_at": ninety_at}
 
 
 def _shared_cores(spans: list[list[tuple[float, float]]], cores: float, threads: int, contention: float = 1.0):
