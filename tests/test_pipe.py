@@ -548,6 +548,12 @@ def test_synthetic_trace_knows_what_its_next_epoch_was_drawn_from():
     rows = simulated_rows({"with": SimSource(tr.pairs, 1.0, GPU_8B_H100, 256.0, 32768.0, tr),
                            "without": SimSource(tr.pairs, 1.0, GPU_8B_H100, 256.0, 32768.0)}, [4])
     assert {r["trace"] for r in rows if r["policy"] == "dist_oracle"} == {"with"}
+    assert {r["trace"] for r in rows if r["policy"] == "history_oracle"} == {"with"}
+    # history_oracle: the previous epoch's distribution, which the previous lengths were drawn from
+    logs = np.log([p for p, _ in tr.pairs]) - np.log(tr.previous_medians)[:, None]
+    assert abs(logs.mean()) < 0.02 and abs(logs.std() - tr.spread) < 0.02
+    assert tr.quantiles(0, 16, previous=True)[8] / tr.quantiles(0, 16)[8] == \
+        pytest.approx(tr.previous_medians[0] / tr.medians[0], rel=1e-6)
     assert all(r["vs_oracle"] > 0 for r in rows)
 
 def test_bench_orders_balance_positions_and_predecessors_and_intervals_pair_steps():

@@ -11,8 +11,9 @@ Two tables from one invocation:
   worker cost curve profiled here and with a GPU-shaped one. Beside the oracle (every
   sample's true length), ``prompt_oracle`` plans from each prompt's realized lengths without
   knowing which sibling is which, and on a synthetic trace ``dist_oracle`` from each
-  prompt's true length distribution without the draw: the most a prediction from history
-  could know.
+  prompt's true length distribution without the draw, and ``history_oracle`` from the exact
+  distribution of its previous epoch (before the drift between epochs): the most any history
+  of earlier epochs could know.
 """
 from __future__ import annotations
 
@@ -82,18 +83,21 @@ SYNTHETIC_PROMPTS = 16384  # distinct prompts for the largest simulated step (1,
 
 @dataclass(frozen=True)
 class SyntheticTrace:
-    """A synthetic trace's (previous epoch, next epoch) lengths per prompt, and what the next
-    epoch's samples were drawn from: per prompt a log-normal with median ``medians[i]`` and log
-    sd ``spread``, clipped to [16, MAX_TOKENS]."""
+    """A synthetic trace's (previous epoch, next epoch) lengths per prompt, and what each
+    epoch's samples were drawn from: per prompt a log-normal with median ``medians[i]`` (the
+    next epoch; ``previous_medians[i]`` the previous one, before its drift) and log sd
+    ``spread``, clipped to [16, MAX_TOKENS]."""
 
     pairs: list[tuple[list[int], list[int]]]
     medians: np.ndarray
     spread: float
+    previous_medians: np.ndarray | None = None
 
-    def quantiles(self, i: int, n: int) -> list[float]:
-        """``n`` evenly spaced quantiles of prompt ``i``'s next-epoch distribution: the best
-        prediction of its samples any history could give (it knows the distribution, not the draw)."""
-        return np.clip(self.medians[i] * np.exp(self.spread * _normal_quantiles(n)), 16, MAX_TOKENS).tolist()
+    def quantiles(self, i: int, n: int, previous: bool = False) -> list[float]:
+        """``n`` evenly spaced quantiles of prompt ``i``'s next-epoch distribution (``previous``:
+        the previous epoch's): it knows the distribution, not the draw."""
+        m = self.previous_medians[i] if previous and self.previous_medians is not None else self.medians[i]
+        return np.clip(m * np.exp(self.spread * _normal_quantiles(n)), 16, MAX_TOKENS).tolist()
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +126,7 @@ def synthetic_trace(kind: str, count: int, n: int, rng: np.random.Generator) -> 
         return np.clip(x, 16, MAX_TOKENS).astype(int).tolist()
 
     prev, cur = draw(typical), draw(typical * drift)
-    return SyntheticTrace(list(zip(prev, cur)), typical * drift, spread)
+    return SyntheticTrace(list(zip(prev, cur)), typical * drift, spread, typical)
 
 
 def synthetic_pairs(kind: str, count: int, n: int, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
@@ -184,7 +188,10 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
                    per_worker_prompts: int = 16) -> list[dict[str, Any]]:
     """Every policy on each trace; on a synthetic trace also ``dist_oracle``: HistoPipe's
     planner given each prompt's true length distribution (what the next epoch's samples were
-    drawn from, not the draw itself), the best any prediction from history could know.
+    drawn from, not the draw itself), and ``history_oracle``: the same planner given the
+    previous epoch's exact distribution, with the error of its means priced as histopipe's is
+    (the drift between epochs, which no history can see): the best any prediction from
+    earlier epochs could do.
 
     HistoPipe prices its prediction error, measured as a coordinator does on its last step:
     here the log error of the trace's (previous epoch -> next epoch) mean lengths."""
@@ -203,10 +210,14 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
             if src.truth is not None:
                 dist = [[x * scale for x in src.truth.quantiles(i, n)] for i in idx]
                 plans["dist_oracle"] = (dist, log_error_sigma([np.mean(d) for d in dist], [np.mean(t) for t in true]))
+                if src.truth.previous_medians is not None:
+                    before = [[x * scale for x in src.truth.quantiles(i, n, previous=True)] for i in idx]
+                    plans["history_oracle"] = (before, log_error_sigma([np.mean(d) for d in before],
+                                                                      [np.mean(t) for t in true]))
             res = {}
             for label, (lens, sigma) in plans.items():
                 t = time.perf_counter()
-                policy = "histopipe" if label == "dist_oracle" else label
+                policy = "histopipe" if label in ("dist_oracle", "history_oracle") else label
                 plan = make_plan(policy, lens, R, cost=cost, max_num_seqs=256, prompt_len=src.prompt_len,
                                  error_sigma=sigma, max_tokens=src.max_tokens * scale)
                 plan_s = time.perf_counter() - t
