@@ -22,7 +22,7 @@ from rhymerl.scheduling.cost import StepCost
 from rhymerl.scheduling.plan import Plan
 
 try:  # the compiled event loop, built by the package's install (setup.py)
-    from rhymerl.scheduling import _simulator_core as _core
+    import rhymerl.scheduling._simulator_core as _core
 except ImportError:  # pragma: no cover - a source tree without the build: the Python reference
     _core = None
 
