@@ -189,7 +189,6 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     shape = {name: dict(workers=r.cfg.rollout.workers, policy=r.cfg.rollout.schedule, in_process=in_process_worker(r.cfg),
                         async_rl=r.cfg.trainer.async_staleness > 0,
                         threads=worker_specs(r.cfg, base)[0].threads or costs.cores,
-                        
                         drafts=r.cfg.rollout.speculative.method != "none") for name, r in runs.items()}
     # the first epoch's prompts have no history yet: the "after epoch 1" columns leave it out
     skip = min(num_train // batch_prompts, steps - 1)

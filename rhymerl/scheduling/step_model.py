@@ -374,7 +374,8 @@ def streamed_s(rollout_s: float, done_s: list[float], logp_s: list[float], grad_
     every group before it (:class:`rhymerl.training.stream.StreamedUpdate`: the next group in
     order if it is done, else the log-probs of any later one that is). While both run, the
     rollout goes ``slow_rollout`` and the work ``slow_train`` times slower (shared cores); once
-    the rollout ends the work left runs alone, then the rest of the update (``rest_s``)."""
+    the rollout ends the work left runs at about its speed alone (a second thread joins the
+    helper), then the rest of the update (``rest_s``)."""
     n = len(done_s)
     t = tau = 0.0  # wall clock; the rollout's own progress
     prepared = [False] * n

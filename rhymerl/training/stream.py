@@ -73,9 +73,9 @@ class StreamedUpdate:
         first: the slots of the first mini-batch of the first PPO epoch.
         background: process groups in a thread as they arrive (streaming); else all at
             :meth:`finish`.
-        threads: torch threads of that thread while the rollout runs (the cores the rollout
-            workers leave; 0: torch's default). At :meth:`finish` the caller's thread, with all
-            of its threads, takes over the groups not yet started.
+        threads: torch threads of every group's work (the cores the rollout workers leave;
+            0: torch's default). Once the rollout is over (:meth:`finish`) the caller's thread
+            computes later groups' log-probs beside the helper, at the same count.
     """
 
     trainer: PolicyTrainer
@@ -96,7 +96,6 @@ class StreamedUpdate:
         self._cv = threading.Condition()
         self._next = 0
         self._taken: set[int] = set()  # groups whose log-probs a thread is computing
-        self._over = False  # the rollout is over
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if self.background:
@@ -116,7 +115,6 @@ class StreamedUpdate:
         with self._cv:
             for s in self.order:  # a slot the rollout never reported trains on nothing
                 self._arrived.setdefault(s, None)
-            self._over = True
             self._cv.notify_all()
         if self._thread is None:
             self.trainer.optimizer.zero_grad(set_to_none=True)
