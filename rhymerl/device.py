@@ -1,15 +1,30 @@
 """Device and dtype selection: CUDA when present, else CPU; one code path for both."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` (0: unchanged) for the block, in this OS thread
+    (OpenMP's count is per thread: other threads keep theirs)."""
+    before = torch.get_num_threads()
+    if n > 0 and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:

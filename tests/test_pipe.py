@@ -513,18 +513,20 @@ def test_calibrations_average_term_by_term_and_learning_differences_are_relative
     from rhymerl.scheduling.step_model import LocalCosts
 
     a = LocalCosts(StepCost((1, 2), (1.0, 2.0), 0.1), StepCost((1, 2), (1.0, 2.0)), 1e-4, 2, 2,
-                   logp_share=0.2, engine_pair_slowdown=1.0, beside_trainer={1: (1.5, 3.0)},
+                   logp_share=0.2, engine_pair_slowdown=1.0, beside_rest=(1.5, 3.0), rest_alone=1.6,
                    history_draft_s_per_row=4e-5)
     b = LocalCosts(StepCost((1, 2), (3.0, 4.0), 0.3), StepCost((1, 2), (1.0, 2.0)), 3e-4, 2, 2,
-                   logp_share=0.4, engine_pair_slowdown=1.2, beside_trainer={1: (2.5, 4.0)},
+                   logp_share=0.4, engine_pair_slowdown=1.2, beside_rest=(2.5, 4.0), rest_alone=1.8,
                    history_draft_s_per_row=6e-5)
     m = mean_costs(a, b)
     assert m.engine.seconds == (2.0, 3.0) and m.engine.prefill_per_token_s == pytest.approx(0.2)
     assert m.train_s_per_token == pytest.approx(2e-4) and m.cores == 2
-    assert m.beside_trainer == {1: (2.0, 3.5)} and m.slowdowns(1) == (2.0, 3.5)
+    assert m.rest_slowdowns(1) == pytest.approx((2.0, 3.5, 1.7))
     assert m.engine_pair_slowdown == pytest.approx(1.1) and m.history_draft_s_per_row == pytest.approx(5e-5)
-    # a worker thread count not measured side by side falls back to the thread-count rule
-    assert m.slowdowns(2) == (2.0, 2.0)
+    # not measured side by side: the thread-count rule (2 cores, a 1-thread worker, the 2-thread
+    # trainer on the one core left: twice as slow, beside the worker and after it)
+    bare = LocalCosts(StepCost((1, 2), (1.0, 2.0)), StepCost((1, 2), (1.0, 2.0)), 1e-4, 2, 2)
+    assert bare.rest_slowdowns(1) == (1.0, 2.0, 2.0)
 
     assert max_rel_diff([{"x": 1.0, "y": 2}], [{"x": 1.0, "y": 2}]) == 0.0
     assert max_rel_diff([{"x": 1.0}], [{"x": 1.1}]) == pytest.approx(0.1 / 1.1)

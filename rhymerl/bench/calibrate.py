@@ -167,9 +167,8 @@ def describe(c: LocalCosts) -> str:
     """One line of a calibration's main terms."""
     return (f"trainer {1e6 * c.train_s_per_token:.1f} us/token; engine at 128 {1e3 * c.engine.step_s(128):.2f} ms; "
             f"history drafter {1e6 * c.history_draft_s_per_row:.1f} us/row; side by side: engine beside engine "
-            f"x{c.engine_pair_slowdown:.2f}, (engine, trainer) by the engine's threads "
-            + ", ".join(f"{k}: x{a:.2f}, x{b:.2f}" for k, (a, b) in c.beside_trainer.items())
-            + f"; beside a streamed update's helper x{c.beside_streamed[0]:.2f}, x{c.beside_streamed[1]:.2f}")
+            f"x{c.engine_pair_slowdown:.2f}; the trainer on the cores the worker leaves x{c.rest_alone:.2f} alone, beside it "
+            f"x{c.beside_rest[0]:.2f}, x{c.beside_rest[1]:.2f}")
 
 
 def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
@@ -179,6 +178,7 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     import torch
 
     from rhymerl.data.splits import task_splits
+    from rhymerl.device import torch_threads
     from rhymerl.engine import SamplingParams
     from rhymerl.llm import LLM
     from rhymerl.model import load_pretrained
@@ -225,17 +225,14 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     pair = engine_beside_engine(model, max(1, rollout_rows // 2))
     # a lone worker beside the trainer (async RL, a streamed update) gets half the cores
     threads = max(1, cores // 2)
-    beside = {threads: engine_beside_trainer(model, threads, rollout_rows, train_once, alone_t)}
 
-    def train_on_the_rest() -> float:  # a streamed update's helper: the cores the worker leaves
-        torch.set_num_threads(max(1, cores - threads))
-        try:
+    def train_on_the_rest() -> float:  # a streamed update's helper, async RL's update
+        with torch_threads(max(1, cores - threads)):
             return train_once()
-        finally:
-            torch.set_num_threads(before)
 
-    streamed = engine_beside_trainer(model, threads, rollout_rows, train_on_the_rest, alone_t)
+    rest_alone = float(np.median([train_on_the_rest() for _ in range(3)])) / alone_t
+    rest = engine_beside_trainer(model, threads, rollout_rows, train_on_the_rest, alone_t)
     draft = history_draft_s_per_row(model, prompts, r)
     return LocalCosts(engine, engine_1t, alone_t / tokens, cores, torch.get_num_threads(),
-                      logp_share=logp_t / alone_t, engine_pair_slowdown=pair, beside_trainer=beside,
-                      history_draft_s_per_row=draft, beside_streamed=streamed)
+                      logp_share=logp_t / alone_t, engine_pair_slowdown=pair,
+                      history_draft_s_per_row=draft, beside_rest=rest, rest_alone=rest_alone)

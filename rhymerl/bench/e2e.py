@@ -65,7 +65,6 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
         trained = t.get("trained", [True] * len(t["lengths"]))
         tokens = sum(p * len(ls) + sum(ls) for p, ls, k in zip(t["prompt_lens"], t["lengths"], trained) if k)
         train = costs.train_s_per_token * tokens
-        slow_r, slow_t = costs.slowdowns(threads)
         if stream is not None:
             seed, mbs = stream
             sim = local_rollout(costs, forwards, t["prompt_lens"], workers=1, policy="even", in_process=False, **shape)
@@ -78,11 +77,12 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
                    for g in range(P)]
             logp = [g_s[g] * share for g in order]
             grad = [g_s[g] * (1 - share) * (g in first) for g in order]
-            slow_r, slow_t = costs.streamed_slowdowns(threads)
+            slow_r, slow_t, _ = costs.rest_slowdowns(threads)
             step = streamed_s(makespan, [done[g] for g in order], logp, grad, train - sum(logp) - sum(grad),
                               slow_r, slow_t)
-        elif async_rl:  # this step's update beside the next batch's rollout (its own process)
-            step = overlapped_s(rollout, train, slow_r, slow_t)
+        elif async_rl:  # this step's update beside the next batch's rollout (its own process),
+            # on the cores the worker leaves, and at that thread count after it too
+            step = overlapped_s(rollout, train, *costs.rest_slowdowns(threads))
         else:
             step = rollout + train
         out.append({"step_s": step, "gen_s": rollout, "train_s": train})

@@ -7,16 +7,16 @@ never through files.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
+from rhymerl.device import torch_threads
 from rhymerl.distribution.work import WorkerLost, WorkerSpec
 from rhymerl.distribution.worker import RolloutWorker
 
@@ -82,17 +82,6 @@ class WorkerPool:
 
 
 # --- in this process --------------------------------------------------------------------------
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` (0: unchanged) for the block."""
-    before = torch.get_num_threads()
-    if n > 0 and n != before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
 
 
 
@@ -102,7 +91,7 @@ class InprocHandle(WorkerHandle):
     def __init__(self, index: int, spec: WorkerSpec) -> None:
         # The worker's thread count applies while it runs, the caller's (training) otherwise.
         self.threads = spec.threads
-        with _threads(self.threads):
+        with torch_threads(self.threads):
             self.index, self.worker = index, RolloutWorker(WorkerSpec(**{**vars(spec), "threads": 0}))
         self._result: Any = None
         self._error: BaseException | None = None
@@ -110,7 +99,7 @@ class InprocHandle(WorkerHandle):
     def start(self, method: str, *args: Any) -> None:
         self.started_at = time.monotonic()
         try:
-            with _threads(self.threads):
+            with torch_threads(self.threads):
                 self._result, self._error = getattr(self.worker, method)(*args), None
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._result, self._error = None, e

@@ -47,10 +47,9 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
 
 
 def trainer_threads_beside_workers(cfg: RunConfig) -> int:
-    """Torch threads for a streamed update's work beside the rollout: the cores this machine's
-    CPU workers leave, at least one; 0 (torch's default) where the workers are not on this
-    machine's cores (GPUs, a cluster of its own). Async RL trains on every core: its update
-    is the whole of it, and at one thread it would outlast the rollout it hides behind."""
+    """Torch threads for the trainer's work beside the rollout (a streamed update, async RL's
+    update): the cores this machine's CPU workers leave, at least one; 0 (torch's default)
+    where the workers are not on this machine's cores (GPUs, a cluster of its own)."""
     if in_process_worker(cfg) or cfg.cluster.address:
         return 0
     specs = worker_specs(cfg, "")

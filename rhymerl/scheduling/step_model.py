@@ -311,30 +311,23 @@ class LocalCosts:
     train_threads: int = 1
     logp_share: float = 0.0  # of the trainer's time, the old log-probs' (the rest is the update)
     engine_pair_slowdown: float = 1.0  # a one-thread engine beside another
-    # the worker's threads -> (engine, trainer) slow-downs while both run; missing: derived
-    # from the thread count (:func:`shared_slowdowns`)
-    beside_trainer: dict[int, tuple[float, float]] = field(default_factory=dict)
     history_draft_s_per_row: float = 0.0
-    # (engine, trainer) slow-downs while a lone worker generates beside a streamed update's
-    # helper, which runs on the cores the worker leaves (the trainer's relative to its time alone
-    # on every core); (0, 0): not measured, derived from the threads
-    beside_streamed: tuple[float, float] = (0.0, 0.0)
+    # (engine, trainer) slow-downs while a lone worker generates beside the trainer on the
+    # cores the worker leaves (a streamed update's helper, async RL's update), the trainer's
+    # relative to its time alone on every core; (0, 0): not measured, derived from the threads
+    beside_rest: tuple[float, float] = (0.0, 0.0)
+    rest_alone: float = 0.0  # the trainer alone on those cores, over alone on every core (0: derived)
 
-    def slowdowns(self, worker_threads: int) -> tuple[float, float]:
-        """(rollout, trainer) slow-downs while a worker of ``worker_threads`` threads generates
-        beside the trainer."""
-        if worker_threads in self.beside_trainer:
-            return self.beside_trainer[worker_threads]
-        return shared_slowdowns(self.cores, worker_threads, self.train_threads)
-
-    def streamed_slowdowns(self, worker_threads: int) -> tuple[float, float]:
-        """(rollout, trainer) slow-downs of a streamed update beside a lone worker of
-        ``worker_threads`` threads: its helper runs on the cores the worker leaves."""
-        if self.beside_streamed[0] > 0:
-            return self.beside_streamed
+    def rest_slowdowns(self, worker_threads: int) -> tuple[float, float, float]:
+        """(rollout, trainer, trainer after the rollout) slow-downs when the trainer runs on the
+        cores a lone worker of ``worker_threads`` threads leaves (a streamed update's helper,
+        async RL's update), the trainer's relative to its time alone on every core."""
         helper = max(1, self.cores - worker_threads)
+        after = self.rest_alone if self.rest_alone > 0 else max(1.0, self.train_threads / helper)
+        if self.beside_rest[0] > 0:
+            return self.beside_rest[0], self.beside_rest[1], after
         slow_r, slow_t = shared_slowdowns(self.cores, worker_threads, helper)
-        return slow_r, slow_t * max(1.0, self.train_threads / helper)
+        return slow_r, slow_t * after, after
 
 
 def scored_cost(cost: StepCost, scored_per_row: float, draft_s_per_row: float = 0.0) -> StepCost:
@@ -430,12 +423,14 @@ def local_rollout(costs: LocalCosts, forwards: list[list[int]], prompt_lens: lis
                     contention=contention)
 
 
-def overlapped_s(rollout_alone: float, train_alone: float, slow_rollout: float, slow_train: float) -> float:
+def overlapped_s(rollout_alone: float, train_alone: float, slow_rollout: float, slow_train: float,
+                 slow_train_after: float = 1.0) -> float:
     """Two jobs side by side, each ``slow_*`` times slower while both run, then the one left at
-    its own speed: the time until both are done. On shared cores the slow-downs follow from
-    the threads (:func:`shared_slowdowns`)."""
+    its own speed (the trainer ``slow_train_after`` times slower: it keeps its thread count):
+    the time until both are done. On shared cores the slow-downs follow from the threads
+    (:func:`shared_slowdowns`)."""
     r_rate, t_rate = 1.0 / slow_rollout, 1.0 / slow_train
     first = min(rollout_alone / r_rate, train_alone / t_rate)  # both running until one ends
     left_r = max(0.0, rollout_alone - first * r_rate)
     left_t = max(0.0, train_alone - first * t_rate)
-    return first + left_r + left_t
+    return first + left_r + left_t * slow_train_after
