@@ -175,6 +175,46 @@ def test_checkpoint_of_another_model_is_refused(base_model, tmp_path):
     assert cfg_path.exists()
 
 
+def test_streamed_groups_landing_out_of_order_give_the_same_bits(base_model):
+    """The helper computes later groups' log-probs while the next group in order is still out,
+    and a second thread joins once the rollout ends; the first mini-batch's gradient must still
+    accumulate in the fixed order, so the result is the same bits as processing after the
+    rollout, whatever order the groups land in."""
+    import random
+
+    from rhymerl.config import load_config as lc
+    from rhymerl.model import load_pretrained
+    from rhymerl.training.stream import StreamedUpdate
+    from rhymerl.training.trainer import PolicyTrainer
+
+    cfg = lc(None, TINY + ["trainer.minibatch_split=prompts", "trainer.ppo_mini_batches=2"])
+    rng = random.Random(0)
+    groups = {s: ([3 + s, 4, 5], [[6 + (s + k) % 7] * (1 + (s * k) % 5) for k in range(3)],
+                  [float((s + k) % 2) for k in range(3)]) for s in range(8)}
+    order, first = [2, 5, 0, 7, 1, 4, 6, 3], {5, 7, 1, 3}
+
+    def run(background: bool, landing: list[int], threads: int = 0):
+        model = load_pretrained(base_model)
+        tr = PolicyTrainer(model, cfg.trainer, cfg.algorithm, torch.device("cpu"))
+        up = StreamedUpdate(tr, cfg, 0, order, first, background=background, threads=threads)
+        for s in landing[:-3]:
+            up.add(s, *groups[s])
+        tail = landing[-3:]  # the last groups land just before the rollout ends
+        for s in tail:
+            up.add(s, *groups[s])
+        up.finish()
+        return ({s: (g.exp.old_logp, g.exp.advantages) for s, g in up.groups.items()},
+                [p.grad.clone() for p in model.parameters() if p.grad is not None], up.first_tokens)
+
+    ref = run(False, order)
+    for landing in (list(reversed(order)), rng.sample(order, len(order)), order):
+        got = run(True, landing, threads=1)
+        assert got[2] == ref[2]
+        assert got[0].keys() == ref[0].keys()
+        assert all(torch.equal(got[0][s][0], ref[0][s][0]) and torch.equal(got[0][s][1], ref[0][s][1]) for s in ref[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+
 def test_nonfinite_update_is_skipped_then_aborts(base_model):
     from rhymerl.config import load_config as lc
     from rhymerl.model import load_pretrained
