@@ -11,6 +11,8 @@ trainer (async RL, the streamed update), with the engine's threads of those runs
 """
 from __future__ import annotations
 
+import copy
+
 import multiprocessing as mp
 import os
 import time
@@ -179,6 +181,7 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
 
     from rhymerl.data.splits import task_splits
     from rhymerl.device import torch_threads
+    from rhymerl.distribution.factory import trainer_threads_beside_workers, worker_specs
     from rhymerl.engine import SamplingParams
     from rhymerl.llm import LLM
     from rhymerl.model import load_pretrained
@@ -223,11 +226,15 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     cores = os.cpu_count() or 1
     rollout_rows = cfg.trainer.batch_prompts * r.n
     pair = engine_beside_engine(model, max(1, rollout_rows // 2))
-    # a lone worker beside the trainer (async RL, a streamed update) gets half the cores
-    threads = max(1, cores // 2)
+    # a lone worker beside the trainer (async RL, a streamed update) and the trainer's share: the
+    # factory's rule, as the runs get it
+    overlapped = copy.deepcopy(cfg)
+    overlapped.trainer.stream_update = True
+    threads = worker_specs(overlapped, model)[0].threads
+    rest_threads = trainer_threads_beside_workers(overlapped)
 
     def train_on_the_rest() -> float:  # a streamed update's helper, async RL's update
-        with torch_threads(max(1, cores - threads)):
+        with torch_threads(rest_threads):
             return train_once()
 
     rest_alone = float(np.median([train_on_the_rest() for _ in range(3)])) / alone_t

@@ -82,9 +82,6 @@ class WorkerPool:
 
 
 # --- in this process --------------------------------------------------------------------------
-
-
-
 class InprocHandle(WorkerHandle):
     """The worker runs in the caller's thread; a call completes when started."""
 

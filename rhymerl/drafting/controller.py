@@ -321,7 +321,7 @@ class SpecController:
             # and needs none here (where a model's tries are held long, a rollout makes 1-3 of
             # them, and with UNPAID_TRIES required it never slept: each rollout paid 2-5 %).
             tried = self._tries >= UNPAID_TRIES
-            if tried and self._accepted < UNPAID_SHARE * (self._rows + self._accepted) or self._dearer():
+            if (tried and self._accepted < UNPAID_SHARE * (self._rows + self._accepted)) or self._dearer():
                 # a situation already marked was probed (or woken by a later admission): confirmed
                 period = self._period.get(sit, PROBE_EVERY)
                 self._period[sit] = min(MAX_PROBE_EVERY, 2 * period) if sit in self._unpaid else PROBE_EVERY

@@ -266,12 +266,14 @@ class RLRun:
             raise
         self.metrics = MetricsLogger(run_dir)
         self.staleness = cfg.trainer.async_staleness
-        # async RL's update overlaps the rollout: on a CPU it keeps to the cores the workers
-        # leave (on 2 cores a 2-thread update beside the 1-thread worker ran 3.2-4x slower)
+        # Async RL's update and a streamed update overlap the rollout: on a CPU they keep to the
+        # cores the workers leave (on 2 cores a 2-thread update beside the 1-thread worker ran
+        # 3.2-4x slower). Trainer ranks are processes of their own (0: leave the count alone).
         from rhymerl.distribution.factory import trainer_threads_beside_workers
 
+        overlaps = self.staleness or cfg.trainer.stream_update
         self.update_threads = (trainer_threads_beside_workers(cfg)
-                               if self.staleness and isinstance(self.trainer, PolicyTrainer) else 0)
+                               if overlaps and isinstance(self.trainer, PolicyTrainer) else 0)
         self.prompt_split = minibatch_split(cfg) == "prompts"  # the update starts on groups as they land
         self.version = 0  # updates applied to self.model
         self.worker_version = 0  # the version the rollout workers hold
@@ -482,7 +484,6 @@ class RLRun:
 
     def _streamed(self, step: int, predicted: list[float | None]):
         """The prompt split's update work for step ``step``'s groups (streamed or after)."""
-        from rhymerl.distribution.factory import trainer_threads_beside_workers
         from rhymerl.training.stream import StreamedUpdate, processing_order, prompt_minibatches
 
         cfg, P = self.cfg, len(predicted)
@@ -490,7 +491,7 @@ class RLRun:
         return StreamedUpdate(self.trainer, cfg, self.tokenizer.pad_token_id or 0,
                               processing_order(predicted, P, cfg.seed, step), set(first),
                               background=cfg.trainer.stream_update,
-                              threads=trainer_threads_beside_workers(cfg) if cfg.trainer.stream_update else 0)
+                              threads=self.update_threads if cfg.trainer.stream_update else 0)
 
     def _predict(self, rows: list[PromptRow]) -> list[float | None]:
         """HistoPipe's length prediction per prompt (None without history), for the trace."""
@@ -648,7 +649,8 @@ class RLRun:
             exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
                                    behaviour_logprobs=behaviour if self.staleness else None)
             # async RL: this update runs beside the next batch's rollout, on the cores its worker
-            # leaves (a fixed count, so its numbers never depend on which finishes first)
+            # leaves (a fixed count, so its numbers never depend on which finishes first; a
+            # synchronous step has update_threads 0 and keeps every core)
             with torch_threads(self.update_threads):
                 t = time.perf_counter()
                 self.trainer.compute_logps(exp)
