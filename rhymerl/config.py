@@ -104,9 +104,8 @@ class RolloutSection:
     # Shape-invariant numerics in the rollout engines (rhymerl.model.invariant): a position's
     # logits are the same bits at any batch size, slot and worker, in prefill, decode and path
     # or tree verification, so speculation on or off, 1 or N workers and kill-and-resume give
-    # the same tokens exactly (on one CPU model, torch build and thread count). Off by default:
-    # it costs more than 15 % of engine throughput at batch 16 and 64 here (README, bench
-    # engine); off, the same holds up to floating-point ties.
+    # the same tokens exactly (on one CPU model, torch build and thread count). Off by default
+    # (it costs engine throughput: docs/results.md); off, the same holds up to floating-point ties.
     invariant: bool = False
     # torch threads of each rollout engine (0: this process's for one local worker, else cores
     # / workers). Float results depend on it: it is part of what exactness holds for.
@@ -122,22 +121,20 @@ class AlgorithmSection:
     clip_ratio_high: float = 0.28
     clip_ratio_c: float = 3.0  # dual-clip
     loss_agg_mode: str = "token-mean"
-    # No KL to the reference (DAPO, Dr.GRPO): on the built-in recipe KL 0.05 gave +3.5 / +9.5 held-out
-    # points (greedy / sampled), none +5.0 / +11.1, and skips the reference forward (measured).
+    # No KL to the reference by default (DAPO, Dr.GRPO): it skips the reference forward.
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     use_kl_in_reward: bool = False  # True: kl_coef x summed token KL off each reward (verl), not a loss term
     entropy_coef: float = 0.0
     # DAPO's dynamic sampling: groups whose rewards are all equal (no GRPO advantage) are
     # dropped; up to max_resample_batches more batches are drawn to refill the batch. The
-    # built-in recipe filters without refilling: the dropped groups would only have cost their
-    # old-log-prob and update compute (measured: 1.75 -> 1.30 s per step at equal learning).
+    # built-in recipe filters without refilling: dropped groups would only cost update compute.
     dynamic_sampling: bool = True
     max_resample_batches: int = 0
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     # Async RL (trainer.async_staleness > 0): how the update treats responses drawn by an
-    # older policy. One of rhymerl.training.algos.OFFPOLICY_CORRECTIONS: "behaviour_clip" (PPO's
+    # older policy. One of rhymerl.algos.OFFPOLICY_CORRECTIONS: "behaviour_clip" (PPO's
     # ratio and clip taken against the policy that drew the tokens) | "tis" (decoupled PPO as in
     # AReaL and verl's async recipes: the clip around the proximal policy, the update's start,
     # and truncated importance weights proximal / behaviour) | "none" (the proximal anchor alone).
@@ -155,14 +152,11 @@ class TrainerSection:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ppo_epochs: int = 1
-    # Two updates per rollout (verl's ppo_mini_batch_size = half the batch): +12.7 sampled points
-    # vs +11.1 with one, four gave +8.0 (single runs of the built-in recipe, KL off).
+    # Two updates per rollout (verl's ppo_mini_batch_size = half the batch).
     ppo_mini_batches: int = 2
     micro_batch_size: int = 64
     # verl's dynamic batch size: a micro-batch holds at most this many tokens, padding counted
     # (0: micro_batch_size sequences each). The result is the same update; only padding differs.
-    # Measured on the built-in recipe's 256 sequences (2 CPU cores): old log-probs + update
-    # 1.01-1.03 s with 64-sequence micro-batches, 0.76-0.89 s with budgets of 768-2048 tokens.
     micro_batch_tokens: int = 1536
     save_every: int = 20  # steps between checkpoints (0: the last step only)
     eval_every: int = 20  # steps between held-out evaluations (0: the last step only)
@@ -176,7 +170,7 @@ class TrainerSection:
     # policy of S updates before the one step t starts from (version max(0, t - 1 - S)), so the
     # rollout of step t+1 runs while step t trains; which version is a function of the step.
     async_staleness: int = 0
-    strategy: str = "fsdp"  # one of rhymerl.training.parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
+    strategy: str = "fsdp"  # one of rhymerl.model.data_parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
     # While a step's last samples generate, the finished groups' old log-probs and the first
     # mini-batch's gradient are computed (training/stream.py); one optimizer step when the last
     # group is in, so still on-policy. Needs the prompt split (auto picks it).
@@ -281,21 +275,30 @@ def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-_CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.task": None,  # checked against the task registry below
-    "trainer.strategy": None,  # checked against the strategy registry below
-    "rollout.speculative.method": None,  # checked against the drafting registries below
-    "algorithm.adv_estimator": ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"),
-    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-    "algorithm.kl_type": ("k1", "low_var_kl"),
-    "trainer.lr_schedule": ("constant", "cosine"),
-    "rollout.backend": ("local", "ray"),
-    "rollout.schedule": SCHEDULES,
-    "rollout.length_stat": tuple(STATS),
-    "rollout.placement": PLACEMENTS,
-    "trainer.minibatch_split": None,  # checked with the split's other constraints below
-}
+MINIBATCH_SPLITS = ("auto", "samples", "prompts")  # auto: prompts when streaming, else samples
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Every key whose value names something, with the valid names read from the registry that
+    owns them (each lives on a floor below this module: see docs/design.md, "Floors")."""
+    from rhymerl.algos import ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, OFFPOLICY_CORRECTIONS, POLICY_LOSSES
+    from rhymerl.model.data_parallel import STRATEGIES
+
+    return {
+        "model.dtype": ("float32", "bfloat16", "float16"),
+        "trainer.strategy": tuple(STRATEGIES),
+        "algorithm.adv_estimator": tuple(ADV_ESTIMATORS),
+        "algorithm.policy_loss": tuple(POLICY_LOSSES),
+        "algorithm.offpolicy_correction": tuple(OFFPOLICY_CORRECTIONS),
+        "algorithm.loss_agg_mode": LOSS_AGG_MODES,
+        "algorithm.kl_type": KL_TYPES,
+        "trainer.lr_schedule": ("constant", "cosine"),
+        "trainer.minibatch_split": MINIBATCH_SPLITS,
+        "rollout.backend": ("local", "ray"),
+        "rollout.schedule": SCHEDULES,
+        "rollout.length_stat": tuple(STATS),
+        "rollout.placement": PLACEMENTS,
+    }
 
 
 def minibatch_split(cfg: RunConfig) -> str:
@@ -307,13 +310,10 @@ def minibatch_split(cfg: RunConfig) -> str:
 def _validate_split(cfg: RunConfig) -> None:
     """The prompt split (and streaming, which needs it) works on one process, synchronously,
     with group-local advantages and a token-mean loss; each conflict is named."""
+    from rhymerl.algos import GROUP_LOCAL_ADV
     from rhymerl.drafting import trains_draft_head
-    from rhymerl.training.algos import GROUP_LOCAL_ADV
-    from rhymerl.training.stream import MINIBATCH_SPLITS
 
     t, a = cfg.trainer, cfg.algorithm
-    if t.minibatch_split not in MINIBATCH_SPLITS:
-        raise ConfigError(f"trainer.minibatch_split: {t.minibatch_split!r} is not one of {list(MINIBATCH_SPLITS)}")
     if t.stream_update and t.minibatch_split == "samples":
         raise ConfigError("trainer.stream_update: needs trainer.minibatch_split=prompts (or auto): a draw over the "
                           "kept samples is only known once every group is scored")
@@ -369,16 +369,9 @@ def _validate(cfg: RunConfig) -> None:
     for key, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: must be a finite number, got {value}")
-    for key, choices in _CHOICES.items():
-        if choices is not None and flat[key] not in choices:
-            raise ConfigError(f"{key}: {flat[key]!r} is not one of {choices}")
-    from rhymerl.training.parallel import STRATEGIES
-
-    from rhymerl.training.algos import OFFPOLICY_CORRECTIONS
-
-    if cfg.algorithm.offpolicy_correction not in OFFPOLICY_CORRECTIONS:
-        raise ConfigError(f"algorithm.offpolicy_correction: {cfg.algorithm.offpolicy_correction!r} is not one of "
-                          f"{sorted(OFFPOLICY_CORRECTIONS)}")
+    for key, choices in _choices().items():
+        if flat[key] not in choices:
+            raise ConfigError(f"{key}: {flat[key]!r} is not one of {list(choices)}")
     if cfg.trainer.async_staleness < 0:
         raise ConfigError(f"trainer.async_staleness: must be >= 0 (0: synchronous), got {cfg.trainer.async_staleness}")
     if cfg.trainer.async_staleness and cfg.algorithm.dynamic_sampling and cfg.algorithm.max_resample_batches:
@@ -388,8 +381,6 @@ def _validate(cfg: RunConfig) -> None:
     if not cfg.algorithm.is_cap >= 1.0:
         raise ConfigError(f"algorithm.is_cap: must be >= 1, got {cfg.algorithm.is_cap}")
     _validate_speculative(cfg)
-    if cfg.trainer.strategy not in STRATEGIES:
-        raise ConfigError(f"trainer.strategy: {cfg.trainer.strategy!r} is not one of {sorted(STRATEGIES)}")
     if not cfg.data.train_files and cfg.data.task not in TASKS:
         raise ConfigError(f"data.task: unknown task {cfg.data.task!r} (built-in: {sorted(TASKS)})")
     positive = ["rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rhymerl.training.algos import (ADV_ESTIMATORS, aggregate, kl_penalty, overlong_penalty, ppo_clip_loss)
+from rhymerl.algos import (ADV_ESTIMATORS, aggregate, kl_penalty, overlong_penalty, ppo_clip_loss)
 
 
 def test_grpo_and_variants():

@@ -172,9 +172,8 @@ def _runtime_imports(tree) -> set[str]:
     return out
 
 
-def test_no_two_modules_import_each_other():
-    # The architecture's one rule a test can hold: data flows one way, so no module imports a
-    # module that imports it back (not even lazily, the usual way such a cycle hides).
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the rhymerl modules its code imports (lazily too)."""
     import ast
     from pathlib import Path
 
@@ -185,7 +184,81 @@ def test_no_two_modules_import_each_other():
     for p in root.rglob("*.py"):
         parts = p.relative_to(root.parent).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
-    imports = {m: {x for x in _runtime_imports(ast.parse(p.read_text())) if x in names and x != m}
-               for m, p in names.items()}
-    mutual = sorted({tuple(sorted((a, b))) for a, deps in imports.items() for b in deps if a in imports[b]})
-    assert not mutual, mutual
+    return {m: {x for x in _runtime_imports(ast.parse(p.read_text())) if x in names and x != m}
+            for m, p in names.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): every import cycle,
+    of any length, lies within one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# The floors (docs/design.md): a module imports only from its own floor or the ones below.
+FLOORS = [
+    {"atomic_io", "device", "tokenizer"},
+    {"model", "tasks", "algos"},
+    {"engine", "rewards"},
+    {"drafting", "scheduling"},
+    {"config", "llm"},
+    {"data", "distribution"},
+    {"training"},
+    {"bench", "cli"},
+]
+
+
+def _floor(module: str) -> int:
+    top = module.split(".")[1] if "." in module else module
+    for i, names in enumerate(FLOORS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module}: on no floor (add its package to FLOORS and to docs/design.md)")
+
+
+def test_import_cycle_finder_finds_long_cycles():
+    # the finder itself must see a cycle of any length, not just two modules importing each other
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"d"}, "d": {"a"}, "e": {"a"}}) == [["a", "b", "c", "d"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle_of_any_length():
+    # Data flows one way: no chain of imports, however long or lazy, leads back to where it began.
+    cycles = import_cycles(_import_graph())
+    assert not cycles, cycles
+
+
+def test_no_module_imports_from_a_floor_above_it():
+    graph = _import_graph()
+    upward = sorted((m, x) for m, deps in graph.items() if m != "rhymerl" for x in deps
+                    if x != "rhymerl" and _floor(x) > _floor(m))
+    assert not upward, upward

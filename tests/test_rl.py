@@ -294,7 +294,7 @@ def test_token_budget_micro_batches_give_the_same_update():
 def test_offpolicy_corrections_anchor_and_weights():
     """tis: clip around the proximal policy, truncated weights; behaviour_clip: clip around the
     behaviour policy, no weights; none: the proximal anchor, no weights."""
-    from rhymerl.training.algos import OFFPOLICY_CORRECTIONS
+    from rhymerl.algos import OFFPOLICY_CORRECTIONS
 
     prox = torch.tensor([[0.0, -1.0, -0.1]], requires_grad=True)
     behav = torch.tensor([[0.0, -2.0, -0.2]])
@@ -313,7 +313,7 @@ def test_behaviour_clip_bounds_the_move_from_the_sampling_policy():
     """A token whose probability the live weights already raised past the clip range from the
     policy that drew it gets no further push with behaviour_clip (ratio to the behaviour policy
     is clipped), while the proximal anchor (tis, none) still pushes it (ratio 1 at the start)."""
-    from rhymerl.training.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES
+    from rhymerl.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES
 
     behav = torch.log(torch.tensor([[0.2]]))
     live = torch.log(torch.tensor([[0.4]]))  # the weights moved since the token was drawn

@@ -181,11 +181,10 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
 
     from rhymerl.data.splits import task_splits
     from rhymerl.device import torch_threads
-    from rhymerl.distribution.factory import trainer_threads_beside_workers, worker_specs
+    from rhymerl.distribution.factory import profile_engine, trainer_threads_beside_workers, worker_specs
     from rhymerl.engine import SamplingParams
     from rhymerl.llm import LLM
     from rhymerl.model import load_pretrained
-    from rhymerl.scheduling import StepCost
     from rhymerl.scheduling.step_model import LocalCosts
     from rhymerl.tokenizer import encode_prompt, load_tokenizer
     from rhymerl.training.trainer import Experience, PolicyTrainer
@@ -204,11 +203,11 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     trainer = PolicyTrainer(policy, cfg.trainer, cfg.algorithm, torch.device("cpu"),
                             total_optimizer_steps=100, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     batches = (1, 8, 32, 64, 128, 256)
-    engine = StepCost.profile(model, batches=batches, name="engine, this process", typical=True)
+    engine = profile_engine(model, batches=batches, name="engine, this process", typical=True)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine_1t = StepCost.profile(model, batches=batches, name="engine, one thread", typical=True)
+        engine_1t = profile_engine(model, batches=batches, name="engine, one thread", typical=True)
     finally:
         torch.set_num_threads(before)
     logp_s = [0.0]

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from rhymerl.config import RunConfig
 from rhymerl.distribution.backends import make_pool
 from rhymerl.distribution.coordinator import RolloutCoordinator
 from rhymerl.distribution.work import WorkerSpec
+from rhymerl.engine import SamplingParams
+from rhymerl.llm import LLM
 from rhymerl.scheduling import StepCost
 
 log = logging.getLogger(__name__)
@@ -38,7 +42,7 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
         devices = ["cpu" if device == "auto" else device] * R
     in_process = in_process_worker(cfg)
     # Async RL and a streamed update train while the workers generate: the trainer keeps a share
-    # of the cores (on 2 cores a 2-thread worker beside the 2-thread trainer slowed both 3-12x).
+    # of the cores (threads spinning on a shared core slow both sides many times over).
     sharers = R + (1 if cfg.trainer.async_staleness or cfg.trainer.stream_update else 0)
     threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // sharers))
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
@@ -58,17 +62,52 @@ def trainer_threads_beside_workers(cfg: RunConfig) -> int:
     return max(1, (os.cpu_count() or 1) - sum(s.threads for s in specs))
 
 
+def profile_engine(model, *, batches: tuple[int, ...] = (1, 4, 16, 64, 128), tokens: int = 24,
+                   prompt_len: int = 40, device: str = "cpu", name: str = "profiled",
+                   typical: bool = False) -> StepCost:
+    """Measure a plain (no speculation) engine on ``model`` at each batch size.
+
+    Times whole ``generate`` calls of ``tokens`` forced tokens (EOS ignored) and divides by
+    the decode steps; the prefill cost per token comes from a batch of prompts. Each time is
+    the best of three calls, or with ``typical`` their median (what a run's steps cost on a
+    machine whose speed varies, rather than its best case).
+    """
+    llm = LLM(model, max_num_seqs=max(batches), max_model_len=prompt_len + tokens + 8, device=device)
+    vocab = llm.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(max(batches))]
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # the prefill alone
+    llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
+
+    def timed(batch: list, params: SamplingParams, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        return float(np.median(times)) if typical else min(times)
+
+    secs = []
+    for B in batches:
+        # decode steps only: the same batch with and without its tokens after the first
+        secs.append(max(1e-6, (timed(prompts[:B], sp) - timed(prompts[:B], one)) / (tokens - 1)))
+    group = prompts[: min(32, len(prompts))]  # prefill as the engine runs it: a batch of prompts
+    prefill = timed(group, one, 3) / (len(group) * prompt_len)
+    return StepCost(tuple(batches), tuple(secs), prefill, name)
+
+
 def profile_cost(model_path: str | Path, cfg: RunConfig, threads: int) -> StepCost:
     """The workers' step-time curve, measured once on this machine with a worker's thread count."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
         top = min(cfg.rollout.max_num_seqs, 256)
-        # Six points: the plan's allocation reads the curve's shape between them, and a coarse
-        # grid (it was 1, top/8, top/2, top) let one noisy timing bend it (measured in bench pipe).
+        # Six points: the plan's allocation reads the curve's shape between them, and a coarser
+        # grid lets one noisy timing bend it.
         batches = tuple(sorted({1, max(1, top // 32), max(1, top // 8), max(1, top // 4), max(1, top // 2), top}))
         dev = "cpu" if not torch.cuda.is_available() else "cuda"
-        return StepCost.profile(str(model_path), batches=batches, device=dev, name="profiled worker")
+        return profile_engine(str(model_path), batches=batches, device=dev, name="profiled worker")
     finally:
         torch.set_num_threads(before)
 

@@ -1,12 +1,12 @@
 """Step-time cost curves: seconds of one decode step at batch size B, and of prefill per token.
 
-The scheduler plans with them and the simulator replays with them. ``StepCost.profile``
-measures the curve of a real engine on this machine; ``GPU_8B_H100`` is a documented model
+The scheduler plans with them and the simulator replays with them.
+:func:`rhymerl.distribution.factory.profile_engine` measures the curve of a real engine on
+this machine; ``GPU_8B_H100`` is a documented model
 of a GPU worker (see its comment) for simulating clusters we do not have.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,44 +87,6 @@ class StepCost:
     @classmethod
     def from_dict(cls, d: dict) -> "StepCost":
         return cls(tuple(d["batch"]), tuple(d["seconds"]), d.get("prefill_per_token_s", 0.0), d.get("name", "custom"))
-
-    @classmethod
-    def profile(cls, model, *, batches: tuple[int, ...] = (1, 4, 16, 64, 128), tokens: int = 24,
-                prompt_len: int = 40, device: str = "cpu", name: str = "profiled",
-                typical: bool = False) -> "StepCost":
-        """Measure a plain (no speculation) engine on ``model`` at each batch size.
-
-        Times whole ``generate`` calls of ``tokens`` forced tokens (EOS ignored) and divides by
-        the decode steps; the prefill cost per token comes from a batch of prompts. Each time is
-        the best of three calls, or with ``typical`` their median (what a run's steps cost on a
-        machine whose speed varies, rather than its best case).
-        """
-        from rhymerl.engine import SamplingParams
-        from rhymerl.llm import LLM
-
-        llm = LLM(model, max_num_seqs=max(batches), max_model_len=prompt_len + tokens + 8, device=device)
-        vocab = llm.model.config.vocab_size
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(max(batches))]
-        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # the prefill alone
-        llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
-
-        def timed(batch: list, params: SamplingParams, reps: int = 3) -> float:
-            times = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                llm.generate(batch, params, use_tqdm=False)
-                times.append(time.perf_counter() - t)
-            return float(np.median(times)) if typical else min(times)
-
-        secs = []
-        for B in batches:
-            # decode steps only: the same batch with and without its tokens after the first
-            secs.append(max(1e-6, (timed(prompts[:B], sp) - timed(prompts[:B], one)) / (tokens - 1)))
-        group = prompts[: min(32, len(prompts))]  # prefill as the engine runs it: a batch of prompts
-        prefill = timed(group, one, 3) / (len(group) * prompt_len)
-        return cls(tuple(batches), tuple(secs), prefill, name)
 
 
 # A GPU-shaped worker: an 8B dense model (GQA, 8 KV heads of 128, 32 layers, bf16) on one

@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from rhymerl.training.algos import ADV_ESTIMATORS, shaped_rewards
+from rhymerl.algos import ADV_ESTIMATORS, shaped_rewards
 from rhymerl.training.trainer import Experience, PolicyTrainer
 
-MINIBATCH_SPLITS = ("auto", "samples", "prompts")  # auto: prompts when streaming, else samples
 
 
 def prompt_minibatches(num_slots: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[list[int]]:
@@ -166,8 +165,7 @@ class StreamedUpdate:
         try:
             if self.threads > 0:
                 # torch's intra-op thread count is per thread here (OpenMP's), so this leaves
-                # the caller's alone; on 2 cores a 2-thread helper beside a 1-thread worker ran
-                # 3x slower than alone (spinning threads on a shared core).
+                # the caller's alone; the helper keeps to the cores the worker leaves.
                 torch.set_num_threads(self.threads)
             while True:
                 with self._cv:
@@ -307,5 +305,5 @@ def processing_order(predicted: list[float | None], num_slots: int, seed: int, s
     return sorted(range(num_slots), key=lambda s: (predicted[s] if predicted[s] is not None else mid, tie[s]))
 
 
-__all__ = ["MINIBATCH_SPLITS", "StreamedUpdate", "GroupRows", "prompt_minibatches", "processing_order",
+__all__ = ["StreamedUpdate", "GroupRows", "prompt_minibatches", "processing_order",
            "stream_update", "fill_batch"]

@@ -14,6 +14,8 @@ ADV_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 GROUP_LOCAL_ADV: set[str] = set()  # estimators that need a group alone, not the whole batch
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
 OFFPOLICY_CORRECTIONS: dict[str, Callable[..., "Correction"]] = {}
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # see aggregate()
+KL_TYPES = ("k1", "low_var_kl")  # see kl_penalty()
 
 
 def register_adv_est(name: str, *, group_local: bool = True):
