@@ -81,8 +81,8 @@ class LLM:
     def _build_proposer(self, speculative: Mapping[str, Any] | Proposer | None) -> Proposer | None:
         if speculative is None:
             return None
-        if hasattr(speculative, "propose"):
-            return speculative  # type: ignore[return-value]
+        if isinstance(speculative, Proposer):
+            return speculative
 
         cfg = SpecConfig.from_mapping(speculative)  # type: ignore[arg-type]
         if cfg.method == "none":
@@ -129,7 +129,7 @@ class LLM:
         if prompt_keys is not None and len(prompt_keys) != len(prompts):
             raise ValueError(f"{len(prompt_keys)} prompt_keys for {len(prompts)} prompts")
         self._calls += 1
-        if self.proposer is not None and hasattr(self.proposer, "begin"):
+        if self.proposer is not None:
             self.proposer.begin(step if step is not None else self._calls)
         rids = []
         for i, (pr, sp) in enumerate(zip(prompts, plist)):
@@ -163,7 +163,7 @@ class LLM:
         items = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         learnt = {n: t for n, t in items.items() if n.startswith("draft_head.")}
         if learnt:  # weights a draft source learns during RL travel with the policy's
-            if self.proposer is None or not hasattr(self.proposer, "load_source_state"):
+            if self.proposer is None:
                 raise KeyError(f"update_weights: {sorted(learnt)[0]!r} needs a draft_head source")
             self.proposer.load_source_state(learnt)
             items = {n: t for n, t in items.items() if n not in learnt}

@@ -437,7 +437,7 @@ def test_quiet_steps_after_a_no_cost_nothing_and_are_accounted_for_at_once():
     gate work and are not measured; what they would have drifted is applied when the gate
     looks again (as many single steps would have), and another batch size looks at once."""
     from rhymerl.drafting import SpecConfig
-    from rhymerl.drafting.controller import QUIET
+    from rhymerl.drafting.gate import QUIET
     from rhymerl.engine.sequence import Sequence
 
     table = {(b, t): 0.001 * b * (1 + 0.9 * (t - 1)) for b in (1, 8) for t in (1, 2, 3, 5, 9, 17)}
@@ -449,33 +449,33 @@ def test_quiet_steps_after_a_no_cost_nothing_and_are_accounted_for_at_once():
         s.output_ids, s.limit = [1, 2, 3], 50
         seqs.append(s)
     d.begin(1)
-    d.acceptance.succ, d.acceptance.fail = 0.5, 3.5  # a first epoch's poor acceptance...
-    d._fill = 0.25  # ...and short drafts
+    d.gate.acceptance.succ, d.gate.acceptance.fail = 0.5, 3.5  # a first epoch's poor acceptance...
+    d.gate._fill = 0.25  # ...and short drafts
     measured = []
-    d.realized.update = lambda *a, **k: measured.append(a[1])
-    assert as_batch(d.propose(seqs)) is None and d._quiet == QUIET
+    d.gate.realized.update = lambda *a, **k: measured.append(a[1])
+    assert as_batch(d.propose(seqs)) is None and d.gate._quiet == QUIET
     d.observe(seqs, [0] * 8, [0] * 8)
     d.observe_time(8, 1, 0.01)
-    fill, alpha = d._fill, d.acceptance.alpha
+    fill, alpha = d.gate._fill, d.gate.acceptance.alpha
     for _ in range(QUIET):
         assert as_batch(d.propose(seqs)) is None
         d.observe(seqs, [0] * 8, [0] * 8)
         d.observe_time(8, 1, 0.01)
-    assert measured == [8] and d._idle == QUIET and (d._fill, d.acceptance.alpha) == (fill, alpha)
-    succ, fail = d.acceptance.succ, d.acceptance.fail
-    d._wake()
+    assert measured == [8] and d.gate._idle == QUIET and (d.gate._fill, d.gate.acceptance.alpha) == (fill, alpha)
+    succ, fail = d.gate.acceptance.succ, d.gate.acceptance.fail
+    d.gate._wake()
     one = build_proposer(SpecConfig(sources=["prompt_history"]))  # the same steps one at a time
-    one._fill, one.acceptance.succ, one.acceptance.fail = fill, succ, fail
+    one.gate._fill, one.gate.acceptance.succ, one.gate.acceptance.fail = fill, succ, fail
     for _ in range(QUIET):
-        one._skip(4)
-        one.acceptance.add(0, 0)
-    assert d._fill == pytest.approx(one._fill, rel=1e-12) and d._fill > fill
-    assert d.acceptance.alpha == pytest.approx(one.acceptance.alpha, rel=1e-12) and d.acceptance.alpha > alpha
+        one.gate._skip(4)
+        one.gate.acceptance.add(0, 0)
+    assert d.gate._fill == pytest.approx(one.gate._fill, rel=1e-12) and d.gate._fill > fill
+    assert d.gate.acceptance.alpha == pytest.approx(one.gate.acceptance.alpha, rel=1e-12) and d.gate.acceptance.alpha > alpha
     d.propose(seqs)
     d.observe(seqs, [0] * 8, [0] * 8)
     d.observe_time(8, 1, 0.01)
     assert measured == [8, 8]  # awake: measured again
-    assert as_batch(d.propose(seqs[:4])) is None and d._idle == 0  # another batch size: a look at once
+    assert as_batch(d.propose(seqs[:4])) is None and d.gate._idle == 0  # another batch size: a look at once
 
 
 @pytest.mark.parametrize("fallback", [True, False])
@@ -535,7 +535,7 @@ def test_a_situation_where_drafting_did_not_pay_sleeps_but_one_rollout_in_probe_
     nothing and skip the sources' bookkeeping, except one in PROBE_EVERY; history for the
     prompt makes another situation (awake), and the memory survives a checkpoint."""
     from rhymerl.drafting import SpecConfig
-    from rhymerl.drafting.controller import PROBE_EVERY, UNPAID_TRIES
+    from rhymerl.drafting.gate import PROBE_EVERY, UNPAID_TRIES
     from rhymerl.engine.sequence import Sequence
 
     d = build_proposer(SpecConfig(sources=["prompt_history", "siblings"]))
@@ -549,12 +549,12 @@ def test_a_situation_where_drafting_did_not_pay_sleeps_but_one_rollout_in_probe_
             s.output_ids, s.limit = [1, 2, 3], 50
             seqs.append(s)
         d.on_admit(seqs)
-        dormant = d._dormant
+        dormant = d.gate._dormant
         assert (siblings._live == {}) == dormant  # a dormant rollout's sequences are not indexed
         if dormant:
-            assert as_batch(d.propose(seqs)) is None and d._rows == 0
+            assert as_batch(d.propose(seqs)) is None and d.gate._rows == 0
         else:  # what the rollout's drafting came to
-            d._tries, d._rows, d._accepted = tries, 1000, accepted
+            d.gate._tries, d.gate._rows, d.gate._accepted = tries, 1000, accepted
         for s in seqs:
             d.on_finish(s)
         assert siblings._live == {}
@@ -571,15 +571,15 @@ def test_a_situation_where_drafting_did_not_pay_sleeps_but_one_rollout_in_probe_
     assert rollout(42, 0, 0)  # ...so that one sleeps too
     fresh = build_proposer(SpecConfig(sources=["prompt_history", "siblings"]))
     fresh.load_gate_state(state)
-    assert fresh._unpaid == {("siblings",): 0} and fresh._period == {("siblings",): 2 * PROBE_EVERY}
+    assert fresh.gate._unpaid == {("siblings",): 0} and fresh.gate._period == {("siblings",): 2 * PROBE_EVERY}
     # a probe that finds drafting paying ends the sleep; unpaid again, it starts from PROBE_EVERY
     sit = ("prompt_history", "siblings")
     for i in range(PROBE_EVERY):
         if not rollout(50 + i, UNPAID_TRIES, 200):
             break
-    assert not rollout(90, UNPAID_TRIES, 9) and sit not in d._unpaid
+    assert not rollout(90, UNPAID_TRIES, 9) and sit not in d.gate._unpaid
     d.begin(91)
-    assert d._unpaid[sit] == 0 and d._period[sit] == PROBE_EVERY
+    assert d.gate._unpaid[sit] == 0 and d.gate._period[sit] == PROBE_EVERY
 
 
 def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidence():
@@ -609,24 +609,24 @@ def test_drafts_accepted_but_dearer_than_plain_on_the_whole_also_sleep():
     than plain decoding where most of its verifications were (RealizedCost's verdicts) did not
     pay either; where most verifications paid it stays awake."""
     from rhymerl.drafting import SpecConfig
-    from rhymerl.drafting.controller import UNPAID_TRIES
+    from rhymerl.drafting.gate import UNPAID_TRIES
     from rhymerl.engine.sequence import Sequence
 
     def rollout(d, step: int, verified: set, spec: float, tries: int = UNPAID_TRIES, judged: bool = True) -> bool:
-        d._guarded = model if isinstance(model, list) else [model]  # as if sets ran a model (the rule is for those)
+        d.gate._guarded = model if isinstance(model, list) else [model]  # as if sets ran a model (the rule is for those)
         d.begin(step)
         s = Sequence(step, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="p")
         s.output_ids, s.limit = [1, 2, 3], 50
         d.on_admit([s])
-        dormant = d._dormant
+        dormant = d.gate._dormant
         if not dormant:
-            d._tries, d._rows, d._accepted = tries, 1000, 300  # 23 % of the tokens accepted
-            d._verified = Counter(verified)
-            for b, o in d._verified:
-                d.realized.plain[b] = 1.0
-                d.realized.spec[(b, o)] = spec if b == 8 else 1.5
+            d.gate._tries, d.gate._rows, d.gate._accepted = tries, 1000, 300  # 23 % of the tokens accepted
+            d.gate._verified = Counter(verified)
+            for b, o in d.gate._verified:
+                d.gate.realized.plain[b] = 1.0
+                d.gate.realized.spec[(b, o)] = spec if b == 8 else 1.5
                 if judged:  # RealizedCost judged it (a fresh plain measurement, enough evidence)
-                    d.realized.dearer[(b, o)] = d.realized.spec[(b, o)] > d.realized.margin
+                    d.gate.realized.dearer[(b, o)] = d.gate.realized.spec[(b, o)] > d.gate.realized.margin
         d.on_finish(s)
         return dormant
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from rhymerl import LLM, SamplingParams
-from rhymerl.engine import DraftTree
+from rhymerl.engine import DraftTree, Proposer
 from tests.conftest import naive_greedy, tiny_model
 
 PROMPTS = [[3, 4, 5], [7] * 10, [1, 5], [9, 8, 7, 6, 5], [4, 4], [5, 6, 7, 8, 9, 10, 11], [30] * 17, [12]]
@@ -99,7 +99,7 @@ def test_update_weights_in_place(model):
     assert out[0].outputs[0].token_ids == naive_greedy(other, PROMPTS[0], 8)
 
 
-class FixedTrees:
+class FixedTrees(Proposer):
     """A proposer that returns given trees (by sequence), to test the scoring mechanism alone."""
 
     def __init__(self, make, max_nodes: int = 12) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from rhymerl.bench.common import bootstrap_interval, print_table, write_report
 from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer
 from rhymerl.engine import SamplingParams
+from rhymerl.engine.llm_engine import accepted_per_forward
 from rhymerl.llm import LLM
 
 
@@ -30,7 +31,8 @@ MIN_ROUNDS_CI = 5  # rounds below which a speed-up gets no confidence interval
 def _default_model() -> str:
     from rhymerl.config import load_config
     from rhymerl.training.checkpoint import latest_checkpoint
-    from rhymerl.training.rl import ensure_base_model, run_dir_for
+    from rhymerl.training.rl import run_dir_for
+    from rhymerl.training.sft import ensure_base_model
 
     cfg = load_config()
     ck = latest_checkpoint(run_dir_for(cfg))
@@ -121,7 +123,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.model import load_pretrained
-    from rhymerl.training.rl import ensure_draft_model
+    from rhymerl.training.sft import ensure_draft_model
 
     model = model or _default_model()
     cfg = load_config()
@@ -276,15 +278,16 @@ def _first_run(llm: LLM, prop: Any, method: str, results: dict[str, dict[str, An
     """A method's first timed run: its machine-independent counts go into ``results``."""
     st = llm.engine.stats
     b0, a0, d0, g0 = st.decode_rows, st.accepted, st.drafted, st.generated
-    src0 = dict(getattr(prop, "accepted_by_source", {}))
+    src0 = prop.counters() if prop is not None else {}
     outs, wall, share = timed(llm)
     b1, a1, d1, g1 = st.decode_rows, st.accepted, st.drafted, st.generated
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    by_source = {k: v - src0.get(k, 0) for k, v in getattr(prop, "accepted_by_source", {}).items()}
+    by_source = {k.split("/", 1)[1]: v - src0.get(k, 0) for k, v in (prop.counters() if prop is not None else {}).items()
+                 if k.startswith("accepted/")}
     rows_f = b1 - b0
     results[method] = {"temperature": temp, "epoch": epoch, "gated": gate, "method": method,
                        "impl": "arctic" if method.startswith("arctic") else "rhymerl", "max_num_seqs": max_num_seqs,
-                       "accepted_per_forward": (rows_f + a1 - a0) / rows_f,
+                       "accepted_per_forward": accepted_per_forward(rows_f, a1 - a0),
                        "forwards_per_token": rows_f / (g1 - g0), "generated": g1 - g0,
                        "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
                        "identical_tokens": tokens == reference,

@@ -33,10 +33,8 @@ class RolloutWorker:
     def _counters(self) -> dict[str, float]:
         st = self.engine.stats
         out = {k: getattr(st, k) for k in ENGINE_COUNTERS}
-        prop = self.engine.proposer
-        for kind in ("accepted", "drafted"):  # per draft source: which source earned the tokens
-            for src, v in getattr(prop, f"{kind}_by_source", {}).items():
-                out[f"{kind}/{src}"] = v
+        if self.engine.proposer is not None:  # per draft source: which source earned the tokens
+            out.update(self.engine.proposer.counters())
         return out
 
     def ping(self) -> int:
@@ -53,13 +51,11 @@ class RolloutWorker:
 
     def gate_state(self) -> dict[str, Any] | None:
         """The drafter's gate state (speed only: tokens never depend on it), for checkpoints."""
-        fn = getattr(self.engine.proposer, "gate_state", None)
-        return fn() if fn is not None else None
+        return self.engine.proposer.gate_state() if self.engine.proposer is not None else None
 
     def load_gate_state(self, state: dict[str, Any]) -> None:
-        fn = getattr(self.engine.proposer, "load_gate_state", None)
-        if fn is not None:
-            fn(state)
+        if self.engine.proposer is not None:
+            self.engine.proposer.load_gate_state(state)
 
     def advance(self, items: list[WorkItem], step: int, seconds: float, until_finished: bool = False) -> WorkerReport:
         """Queue ``items``, then run engine steps for about ``seconds`` (at least one step), or
@@ -78,7 +74,7 @@ class RolloutWorker:
             self._rid_item[rid], self._item_rid[it.item_id] = it.item_id, rid
         if step != self._step:  # after the items: their history is in the store when the drafter looks
             self._step = step
-            if self.engine.proposer is not None and hasattr(self.engine.proposer, "begin"):
+            if self.engine.proposer is not None:
                 self.engine.proposer.begin(step)
         t0 = time.perf_counter()
         while self.engine.has_unfinished():

@@ -9,7 +9,7 @@ A new source is one class registered here under a name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rhymerl.drafting.suffix_index import Matches, SuffixIndex, match_batch
 from rhymerl.engine.draft import DraftTree
@@ -58,6 +58,9 @@ class DraftSource:
     wants_hidden = False  # needs the target's last hidden state per sequence (Sequence.hidden)
     runs_a_model = False  # drafting costs forwards of a model (the gate may leave it out alone)
     merge_ties = False  # an equally long match of two merging sources pools their occurrences
+    max_nodes = 0  # the most draft nodes one of its trees may have (0: bounded by the caps it is given)
+    store: Any = None  # the history store it drafts from (None: none); new history may change whether it pays
+    build_s = 0.0  # seconds of one-off index building since the gate last read it (kept out of step timings)
 
     def propose(self, seqs: list["Sequence"], caps: list[int], rows: list[int]) -> dict[int, Candidate]:
         """Candidates for ``seqs[i]``, ``i`` in ``rows`` (rows with ``caps[i] > 0``)."""
@@ -79,6 +82,9 @@ class DraftSource:
 
     def on_admit(self, seqs: list["Sequence"]) -> None:
         """Sequences entered the running batch (new, or moved here from another worker)."""
+
+    def load_state(self, named: dict[str, Any]) -> None:
+        """Weights pushed with the policy's (a source that learns during RL reads its own names)."""
 
     def begin(self, step: int) -> None:
         """A new rollout step starts (the history may have changed)."""

@@ -2,7 +2,7 @@
 (:class:`DraftTree`) or the whole batch's at once (:class:`DraftBatch`)."""
 from __future__ import annotations
 
-from typing import Protocol, Sequence as Seq, Union
+from typing import Any, Sequence as Seq, Union
 
 import torch
 
@@ -161,27 +161,52 @@ def as_batch(drafts: Drafts) -> DraftBatch | None:
     return DraftBatch.from_trees(drafts)
 
 
-class Proposer(Protocol):
-    """What the engine asks of a drafter each decode step.
+class Proposer:
+    """What the engine asks of a drafter: ``propose`` each decode step, ``observe`` what
+    verification accepted. Every other hook is a no-op here; a drafter overrides what it uses,
+    and the engine calls them all unconditionally."""
 
-    Optional hooks, called when present: ``wants_cost_model`` + ``attach_cost_model(cost)``
-    (the engine then measures its forward cost once at start-up), ``begin(step)`` (a new
-    rollout step starts), ``on_admit(seqs)`` (sequences entered the running batch, after
-    their prefill), and ``observe_time(B, width, seconds)`` (a decode step's measured time,
-    drafting included).
-    """
-
-    max_nodes: int  # the most draft nodes any tree may have (sizes the KV headroom)
+    max_nodes: int = 0  # the most draft nodes any tree may have (sizes the KV headroom)
+    wants_hidden: bool = False  # the engine keeps the target's last hidden states for it
+    wants_cost_model: bool = False  # the engine measures its forward cost once, then attach_cost_model()
 
     def propose(self, seqs: list[Sequence]) -> Drafts:
         """The drafts of the running sequences, in slot order: a :class:`DraftBatch`, one
         tree (or None) per sequence, or None for no drafts this step."""
-        ...
+        raise NotImplementedError
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
-        """What verification accepted, to adapt draft lengths."""
-        ...
+        """What verification accepted, per row (drafted and accepted tokens)."""
+
+    def observe_time(self, B: int, width: int, seconds: float) -> None:
+        """A decode step's measured time, drafting, forward and verification included."""
+
+    def attach_cost_model(self, cost: Any) -> None:
+        """The engine's measured forward cost (a :class:`rhymerl.engine.cost_model.CostModel`)."""
+
+    def begin(self, step: int) -> None:
+        """A new rollout step starts."""
+
+    def on_admit(self, seqs: list[Sequence]) -> None:
+        """Sequences entered the running batch, after their prefill."""
 
     def on_finish(self, seq: Sequence) -> None:
         """A sequence finished (its response may enter the history)."""
-        ...
+
+    def on_abort(self, seq: Sequence) -> None:
+        """A sequence was stopped before it finished (moved to another worker)."""
+
+    def load_source_state(self, named: dict[str, Any]) -> None:
+        """Weights a draft source learns during RL (``draft_head.*``), pushed with the policy's."""
+        raise KeyError(f"{sorted(named)[0]!r}: this proposer has no source that learns weights")
+
+    def counters(self) -> dict[str, float]:
+        """Running totals the proposer keeps, by name (for example ``accepted/<source>``)."""
+        return {}
+
+    def gate_state(self) -> dict | None:
+        """What the proposer learnt about this machine, as plain data (None: nothing), for checkpoints."""
+        return None
+
+    def load_gate_state(self, state: dict) -> None:
+        """Inverse of :meth:`gate_state`."""

@@ -16,6 +16,12 @@ from rhymerl.engine.sequence import Sequence
 from rhymerl.model import CausalLM
 
 
+def accepted_per_forward(decode_rows: float, accepted: float) -> float:
+    """Tokens one sequence emits per decode forward: each row scored emits one token plus the
+    drafts it accepted. 1.0 where nothing was decoded (plain decoding's rate)."""
+    return (decode_rows + accepted) / decode_rows if decode_rows else 1.0
+
+
 @dataclass
 class EngineStats:
     """Counters since the last reset; machine-independent where possible."""
@@ -34,8 +40,7 @@ class EngineStats:
     @property
     def accepted_per_forward(self) -> float:
         """Tokens emitted per sequence per decode forward (1.0 without speculation)."""
-        rows = self.decode_rows
-        return (rows + self.accepted) / rows if rows else 0.0
+        return accepted_per_forward(self.decode_rows, self.accepted)
 
 
 def kv_capacity(max_model_len: int, proposer: Proposer | None, invariant: bool) -> int:
@@ -59,8 +64,8 @@ class LLMEngine:
         self.cache = KVCache(model.config, num_slots, kv_capacity(max_model_len, proposer, invariant), device,
                              dtype, value_ones=invariant)
         self.runner = ModelRunner(model, self.cache, device, invariant=invariant,
-                                  keep_hidden=bool(getattr(proposer, "wants_hidden", False)))
-        if proposer is not None and getattr(proposer, "wants_cost_model", False):
+                                  keep_hidden=proposer is not None and proposer.wants_hidden)
+        if proposer is not None and proposer.wants_cost_model:
             from rhymerl.engine.cost_model import calibrate, calibrated
 
             # Measured on this model and device before any request holds a slot, with the forward
@@ -119,7 +124,7 @@ class LLMEngine:
         if seq is None or seq.finish_reason is not None:
             return None
         self.scheduler.remove(seq)
-        if self.proposer is not None and hasattr(self.proposer, "on_abort"):
+        if self.proposer is not None:
             self.proposer.on_abort(seq)
         out = self.requests[rid]
         out.outputs = [o for o in out.outputs if o.index != sample_index]
@@ -144,7 +149,7 @@ class LLMEngine:
         if groups:
             self.runner.prefill(groups, self._cached_prompts(groups))
             self.stats.prefills += 1
-            if self.proposer is not None and hasattr(self.proposer, "on_admit"):
+            if self.proposer is not None:
                 self.proposer.on_admit([s for g in groups for s in g])
             new = [s for g in groups for s in g if not s.resumed]
             self.stats.generated += len(new)
@@ -177,8 +182,7 @@ class LLMEngine:
                 self.stats.accepted += max(0, len(s.output_ids) - before - 1)
             if self.proposer is not None:
                 self.proposer.observe(running, res.drafted, res.accepted)
-                if hasattr(self.proposer, "observe_time"):  # drafting + forward + verification, measured
-                    self.proposer.observe_time(B, width, time.perf_counter() - td)
+                self.proposer.observe_time(B, width, time.perf_counter() - td)  # drafting + forward + verification
             self._retire(finished)
         self.stats.step_s += time.perf_counter() - t0
         done = []
