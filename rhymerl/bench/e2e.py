@@ -99,7 +99,8 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
     """Every variant (or ``only`` those, with the baseline and what they are compared with), a
     step each in turn."""
     from rhymerl.config import load_config
-    from rhymerl.training.rl import RLRun, ensure_base_model
+    from rhymerl.training.rl import RLRun
+    from rhymerl.training.sft import ensure_base_model
 
     if quick:
         steps = 10
@@ -133,11 +134,9 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         keep = {"baseline", *only, *(COMPARED_WITH[v] for v in only if v in COMPARED_WITH)}
         variants = {k: v for k, v in variants.items() if k in keep}
     runs: dict[str, RLRun] = {}
-    # A full (generation-2) collection scans the objects of every variant's run in this process
-    # (140 ms here, 40 % of a step) and lands in whichever variant's step crosses the threshold:
-    # one such pause moved that variant's mean over 24 steps by 1.6 %, a run alone pays a
-    # fraction of it. So the young generations stay automatic (each variant pays for its own
-    # allocations) and full collections run between rounds, untimed.
+    # A full (generation-2) collection scans every variant's objects and would land in whichever
+    # variant's step crosses the threshold: the young generations stay automatic (each variant
+    # pays for its own allocations) and full collections run between rounds, untimed.
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
     try:  # built inside: a variant that fails to start still stops the workers of those before it
@@ -147,13 +146,10 @@ def run(json_path: str | None = None, *, steps: int = 24, quick: bool = False,
         names = list(runs)
         orders = balanced_orders(len(names))
         for step in range(1, steps + 1):
-            # The variants take turns, a step each: this machine's speed drifts by tens of percent
-            # within minutes, and whole runs one after another put that drift (and the first
-            # run's warm-up) into their ratios. The order changes every step so that each variant
-            # comes first, and follows each other variant, equally often: in a fixed cycle each
-            # variant always followed the same one, and what a turn leaves behind (caches, a
-            # worker pool's processes winding down) fell on one variant only (two plain engines
-            # then measured 3-15 % apart step after step).
+            # The variants take turns, a step each, so the machine's drift falls on all of them
+            # alike; the order changes every step so that each variant comes first, and follows
+            # each other variant, equally often (what a turn leaves behind, caches or processes
+            # winding down, then falls on no variant in particular). See docs/design.md.
             for name in (names[i] for i in orders[(step - 1) % len(orders)]):
                 m = runs[name].train_step(step)
                 # An async variant's next batch is still generating: it finishes before the next

@@ -155,7 +155,7 @@ def _rl_rollout(reps: int) -> list[dict[str, Any]]:
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.tokenizer import encode_prompt, eos_ids, load_tokenizer
-    from rhymerl.training.rl import ensure_base_model
+    from rhymerl.training.sft import ensure_base_model
 
     cfg = load_config()
     base = ensure_base_model(cfg)

@@ -167,3 +167,26 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     }
     atomic_write_text(out / CARD, json.dumps(card, indent=2) + "\n")  # last: the card marks a finished base
     return card
+
+
+def ensure_base_model(cfg: RunConfig) -> Path:
+    """The policy to start from: ``model.path``, or the task's SFT base (trained if missing)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    out = sft_output_dir(cfg)
+    card_path = out / CARD
+    if card_path.exists():
+        card = json.loads(card_path.read_text())
+        print(f"base model: reusing {out} (held-out greedy accuracy "
+              f"{100 * card['heldout_greedy_accuracy']:.1f}%)")
+        return out
+    print(f"base model: none at {out}; training it from scratch (rhymerl sft)")
+    print_card(run_sft(cfg, out), out)
+    return out
+
+
+def ensure_draft_model(cfg: RunConfig) -> Path:
+    """The task's small draft model (``rhymerl sft --draft``), trained if missing."""
+    d = draft_config(cfg)
+    d.model.path = None
+    return ensure_base_model(d)

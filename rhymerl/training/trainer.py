@@ -7,12 +7,12 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
 from rhymerl.config import AlgorithmSection, TrainerSection
-from rhymerl.training.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
+from rhymerl.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
 from rhymerl.training.token_balance import balance_by_tokens
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,45 @@ def lr_lambda(trainer: TrainerSection, total_steps: int):
     return f
 
 
+@dataclass
+class SyncStats:
+    """One publication of the policy into the controller's copy (the weights the workers sync from)."""
+
+    bytes: int
+    seconds: float
+
+
+class Trainer(Protocol):
+    """What the RL loop asks of whoever trains the policy: :class:`PolicyTrainer` (one process)
+    or :class:`~rhymerl.training.trainer_group.TrainerGroup` (N ranks). The loop never asks which."""
+
+    bad_steps: int  # non-finite updates skipped so far (the run stops past trainer.max_bad_steps)
+    # Runs in the controller's process: an update overlapping the rollout (async RL, a streamed
+    # update) keeps to the cores the rollout workers leave.
+    in_process: bool
+
+    def compute_logps(self, exp: Experience) -> None: ...
+
+    def update(self, exp: Experience, step: int, seed: int) -> dict[str, float]: ...
+
+    def publish(self) -> SyncStats:
+        """Bring the new weights into the controller's copy of the policy."""
+        ...
+
+    def save_state(self, folder: Path) -> None: ...
+
+    def load_state(self, folder: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class PolicyTrainer:
     """The update on one process. With ``world_size > 1`` this is one rank of a data-parallel
-    group (``rhymerl.training.parallel``): ``model`` is already wrapped by the strategy, each
+    group (``rhymerl.training.rank``): ``model`` is already wrapped by the strategy, each
     rank takes its token-balanced part of every mini-batch, the loss keeps the global batch's
     normaliser, so the summed gradient is one process's up to float summation order."""
+
+    in_process = True  # meets Trainer: updates the controller's own model
 
     def __init__(self, model: torch.nn.Module, trainer: TrainerSection, algo: AlgorithmSection, device: torch.device,
                  ref_model: torch.nn.Module | None = None, total_optimizer_steps: int = 1,
@@ -326,6 +360,13 @@ class PolicyTrainer:
         return finite
 
     # --- state in checkpoints -------------------------------------------------------------------
+    def publish(self) -> SyncStats:
+        """Nothing to move: this trainer updates the controller's model in place."""
+        return SyncStats(0, 0.0)
+
+    def close(self) -> None:
+        """Nothing to stop (meets :class:`Trainer`)."""
+
     def save_state(self, folder: Path) -> None:
         """Optimizer and scheduler state into a checkpoint folder being written.
 

@@ -3,7 +3,7 @@ collect their parts, and stop the run with a clear error if one dies or hangs.
 
 Ranks are local processes started from the fork server (rendezvous through a file in a
 private folder; gloo on the loopback interface only) or Ray actors (rendezvous at rank 0's node
-address). Each rank is a :class:`rhymerl.training.parallel.TrainerRank`.
+address). Each rank is a :class:`rhymerl.training.rank.TrainerRank`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,8 @@ from rhymerl.config import RunConfig
 from rhymerl.distribution.backends import WorkerHandle, init_ray, shared_buffer, spawn_processes
 from rhymerl.distribution.work import WorkerLost
 from rhymerl.model import CausalLM
-from rhymerl.training.parallel import RankSpec, TrainerRank
-from rhymerl.training.trainer import Experience
+from rhymerl.training.rank import RankSpec, TrainerRank
+from rhymerl.training.trainer import Experience, SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +32,15 @@ class TrainerRankError(RuntimeError):
     """A trainer rank died, hung or failed; the run stops (``--resume`` continues from the last checkpoint)."""
 
 
-@dataclass
-class SyncStats:
-    """One publication of the policy from the ranks to the controller's copy."""
-
-    bytes: int
-    seconds: float
-
-
 class TrainerGroup:
     """``trainer.world_size`` ranks training the policy together (``trainer.strategy``).
 
-    It offers the controller what :class:`~rhymerl.training.trainer.PolicyTrainer` does
-    (``compute_logps``, ``update``, ``save_state``, ``load_state``, ``bad_steps``), plus
-    :meth:`publish`, which brings the ranks' new weights into ``model``, the controller's copy
+    It meets :class:`~rhymerl.training.trainer.Trainer`, as the one-process trainer does;
+    its :meth:`publish` brings the ranks' new weights into ``model``, the controller's copy
     that the rollout workers are synced from and checkpoints are written from.
     """
+
+    in_process = False  # the ranks are processes of their own
 
     def __init__(self, cfg: RunConfig, model_path: str | Path, model: CausalLM, *, with_ref: bool,
                  total_optimizer_steps: int) -> None:
