@@ -398,9 +398,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
             plans = {p: co.plan(reqs, 2 + i, policy=p, true_lengths=truth[i]) for p in policies}
             co.history = shipped
             best: dict[str, tuple[float, float, float]] = {}
-            # Policies take turns, in an order that rotates by step and round: this machine's
-            # speed drifts by tens of percent within minutes, and timing one policy's steps after
-            # another's put that drift into their ratio (up to 1.2x between identical schedules).
+            # Policies take turns, in an order that rotates by step and round, so the machine's
+            # drift falls on all of them alike.
             for rnd in range(reps):
                 k = (i + rnd) % len(policies)
                 for policy in policies[k:] + policies[:k]:

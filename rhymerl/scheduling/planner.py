@@ -196,11 +196,10 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     if placement != "auto":
         groups = candidates[placement]()
     else:
-        # Candidates are compared by simulating them, not by the closed-form estimate (that
-        # reads the cost curve as a line, and picked the slower placement by up to 10 % at
-        # 1,024 workers), and on lengths drawn with the prediction's measured error rather
-        # than on the point predictions: judged on those, the placement that trusts them most
-        # always looks best. The oracle knows the lengths and is judged on them.
+        # Candidates are compared by simulating them (the closed-form estimate reads the cost
+        # curve as a line), on lengths drawn with the prediction's measured error rather than on
+        # the point predictions (judged on those, the placement that trusts them most always
+        # looks best). The oracle knows the lengths and is judged on them.
         rng = np.random.default_rng(step)
         if policy == "oracle":
             judged = [lens]
@@ -211,12 +210,9 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         names = ("lpt", "contiguous") if policy == "oracle" else tuple(candidates)
 
         def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
-            # The mean over the draws, the expected makespan: the worse of two draws ranks plans
-            # by how much they vary across draws, and passed over `spread` where it was 8 %
-            # faster on the step's real lengths (heavy-tailed trace, 256 workers). Still
-            # optimistic for `spread`, which is built on the distribution it is judged on: on
-            # the 235B projection's 16 engines it is picked and 8 % slower than LPT (README,
-            # HistoPipe); draws resampled from the history itself picked it there too.
+            # The mean over the draws, the expected makespan (the worse of two draws ranks plans
+            # by how much they vary instead). Still optimistic for `spread`, which is built on
+            # the distribution it is judged on (docs/design.md, HistoPipe).
             plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
             return float(np.mean([simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
                                   for j in judged]))
