@@ -2,7 +2,7 @@
 
     rhymerl train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR [trainer.world_size=N ...]]
     rhymerl sft   [CONFIG.yaml] [key=value ...]
-    rhymerl bench {engine,spec,e2e} [--json FILE]
+    rhymerl bench {engine,spec,e2e,pipe,train,project} [--json FILE] [--quick]
     rhymerl export RUN_DIR [--out DIR]
 """
 from __future__ import annotations
@@ -46,6 +46,18 @@ def cmd_train(ns: argparse.Namespace) -> int:
             raise SystemExit(f"--resume takes the run folder's own config; drop {cfg_path}")
         return train(resume=ns.resume, resume_overrides=overrides)
     return train(load_config(cfg_path, overrides), config_path=cfg_path)
+
+
+# The benchmarks, by name: what each measures (every one prints ratios against a baseline timed
+# in the same run, and machine-independent counts).
+BENCHES = {
+    "engine": "our engine against Hugging Face generate on the same weights (with and without invariant numerics)",
+    "spec": "every draft method and its peers on the same rollout traces (same tokens; forwards and time)",
+    "e2e": "the same short RL run with speculation, HistoPipe, async or streaming against the plain loop",
+    "pipe": "HistoPipe against even split, least-loaded routing and oracles, measured and simulated",
+    "train": "the policy update on 1 and 2 trainer ranks, FSDP2 and DDP, on the same batch",
+    "project": "what HistoSpec, HistoPipe and async RL would do to a whole step on GPU clusters (a model)",
+}
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -115,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--draft", action="store_true",
                    help="a small draft model instead (for rollout.speculative.draft_model)")
     s.set_defaults(fn=cmd_sft)
-    b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run")
-    b.add_argument("which", choices=["engine", "spec", "e2e", "pipe", "train", "project"])
+    b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run",
+                       formatter_class=argparse.RawTextHelpFormatter)
+    b.add_argument("which", choices=list(BENCHES),
+                   help="\n".join(f"{name}: {what}" for name, what in BENCHES.items()))
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
