@@ -3,7 +3,7 @@
     rhymerl train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR [trainer.world_size=N ...]]
     rhymerl sft   [CONFIG.yaml] [key=value ...]
     rhymerl bench {engine,spec,e2e,pipe,train,project} [--json FILE] [--quick]
-    rhymerl export RUN_DIR [--out DIR]
+    rhymerl export RUN_DIR [--out DIR] [--force]
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     from rhymerl.training.checkpoint import export_policy
 
-    out = export_policy(ns.run_dir, ns.out)
+    out = export_policy(ns.run_dir, ns.out, force=ns.force)
     print(f"exported {out}")
     return 0
 
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")
     e.add_argument("run_dir")
     e.add_argument("--out")
+    e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.set_defaults(fn=cmd_export)
     ns = p.parse_args(argv)
     try:

@@ -50,7 +50,10 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         "rollout.speculative.max_draft=4",
         "algorithm.kl_coef=0.05", "trainer.ppo_mini_batches=1",  # a reference model to checkpoint and resume
-        "algorithm.dynamic_sampling=false"]  # 2 samples per group: the default filter would drop most groups
+        "algorithm.dynamic_sampling=false",  # 2 samples per group: the default filter would drop most groups
+        # The tiny base rarely earns a reward, so every group's advantage is 0: an entropy term
+        # makes every step move the weights, or a resume that restored nothing would still pass.
+        "algorithm.entropy_coef=0.01"]
 SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/", "draft/accept_rate")  # how fast, not what is learnt
 
 

@@ -93,6 +93,24 @@ def test_two_rank_run_is_one_process_run_and_resumes_exactly_and_reshards(base_m
     grown_rows = learning_metrics(grown)
     assert len(grown_rows) == 5 and all(close(a, b) for a, b in zip(grown_rows, one))
 
+    # A damaged sharded checkpoint is named and the one before used (it crashed every rank before).
+    import shutil
+
+    from rhymerl.training.rl import RLRun, load_run_config
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "ref", damaged)
+    shard = next((latest_checkpoint(damaged) / "trainer").glob("*.distcp"))
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 1
+    shard.write_bytes(bytes(b))
+    rl = RLRun(load_run_config(damaged), damaged, progress=False)
+    try:
+        rl.resume()
+        assert rl.step == 3
+    finally:
+        rl.close()
+
     from rhymerl.model import load_pretrained
     from rhymerl.training.checkpoint import export_policy
 

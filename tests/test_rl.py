@@ -27,7 +27,14 @@ def test_train_runs_and_writes_run_folder(base_model, tmp_path):
     assert (run / "plots.png").exists() and (run / "config.yaml").exists()
     assert list((run / "tensorboard").glob("events.*"))
     assert rows[-1]["data/epoch"] >= 1  # 6 prompts, 4 per step: crossed an epoch boundary
+    # the tiny run learns at every step (the exact-resume tests rely on it: weights that never
+    # move make any resume look exact)
+    assert all(r["actor/grad_norm"] > 1e-3 for r in rows[1:])
     ckpt = latest_checkpoint(run)
+    from rhymerl.model import load_pretrained
+
+    base, final = load_pretrained(base_model).state_dict(), load_pretrained(ckpt / "policy").state_dict()
+    assert max(float((base[k] - final[k]).abs().max()) for k in base) > 1e-3
     assert ckpt is not None and ckpt.name == "step_000004" and (ckpt / "history.json.gz").exists()
     from rhymerl.training.checkpoint import export_policy
     from transformers import AutoModelForCausalLM

@@ -56,7 +56,14 @@ def ours_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).exists():
         index = json.loads((folder / INDEX_FILE).read_text())
-        return [folder / f for f in sorted(set(index["weight_map"].values()))]
+        files = []
+        for name in sorted(set(index["weight_map"].values())):
+            f = folder / name
+            # a shard is a file in this folder: an index naming any other path is refused
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise ValueError(f"{folder / INDEX_FILE}: weight file {name!r} is not a file of this folder; refused")
+            files.append(f)
+        return files
     if (folder / SINGLE_FILE).exists():
         return [folder / SINGLE_FILE]
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):

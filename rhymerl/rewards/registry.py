@@ -8,6 +8,7 @@ recorded (``RewardResult.error``) so it shows in the metrics and the log.
 from __future__ import annotations
 
 import importlib.util
+import math
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,12 +94,17 @@ class RewardRegistry:
         """Score one response; an exception becomes reward 0 with ``error`` naming ``where``."""
         try:
             out = self.fn_for(data_source)(data_source, solution_str, ground_truth, extra_info or {})
+            extra: dict[str, float] = {}
             if isinstance(out, dict):
                 if "score" not in out:
                     raise ValueError(f"reward dict has no 'score' key (keys: {sorted(out)})")
                 extra = {k: float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float))}
-                return RewardResult(float(out["score"]), extra)
-            return RewardResult(float(out))
+                out = out["score"]
+            score = float(out)
+            # NaN or inf would turn the group's advantages (and the update) into NaN: an error, scored 0
+            if not math.isfinite(score):
+                raise ValueError(f"returned a non-finite score ({score})")
+            return RewardResult(score, {k: v for k, v in extra.items() if math.isfinite(v)})
         except Exception as e:  # noqa: BLE001 - any user error must be contained
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
             return RewardResult(0.0, error=f"{where or data_source}: reward function "

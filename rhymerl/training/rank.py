@@ -171,13 +171,13 @@ class TrainerRank:
     def save_state(self, folder: str) -> None:
         self.trainer.save_state(Path(folder))
 
-    def load_state(self, folder: str) -> str | None:
+    def load_state(self, folder: str, ranks: int) -> str | None:
         """None once loaded; a damaged checkpoint's message otherwise (the rank stays up, so the
         controller can fall back to an older checkpoint)."""
         from rhymerl.training.checkpoint import CheckpointError
 
         try:
-            self.trainer.load_state(Path(folder))
+            self.trainer.load_state(Path(folder), ranks)
         except CheckpointError as e:
             return str(e)
         return None

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rhymerl.algos import ADV_ESTIMATORS, informative, shaped_rewards
-from rhymerl.atomic_io import atomic_write_text, read_jsonl, rewrite_jsonl
+from rhymerl.atomic_io import atomic_write_text, fsync_file, read_jsonl, rewrite_jsonl
 from rhymerl.config import ConfigError, RunConfig, load_config, minibatch_split, save_config
 from rhymerl.data import PromptRow
 from rhymerl.data.filters import filter_rows
@@ -611,6 +611,9 @@ class RLRun:
         saved whole, so a resumed run trains on exactly it."""
         cfg = self.cfg
         self.settle()
+        for log_file in ("metrics.jsonl", "traces.jsonl"):  # what the checkpoint's steps logged, on disk first
+            if (self.run_dir / log_file).exists():
+                fsync_file(self.run_dir / log_file)
         save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self._save_trainer_state,
                         {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
                          "world_size": cfg.trainer.world_size, "strategy": cfg.trainer.strategy,
@@ -692,7 +695,11 @@ def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_pat
         if latest_checkpoint(run_dir) is not None:
             print(f"{run_dir} already has checkpoints: continuing it (use another trainer.output_dir to start anew)")
     run = RLRun(cfg, run_dir, progress=progress)
-    run.resume()
+    try:
+        run.resume()
+    except BaseException:
+        run.close()  # no reward, rollout or rank processes left behind by a resume that failed
+        raise
     summary = run.run()
     print_summary(summary, run_dir)
     return 0

@@ -92,7 +92,9 @@ class Trainer(Protocol):
 
     def save_state(self, folder: Path) -> None: ...
 
-    def load_state(self, folder: Path) -> None: ...
+    def load_state(self, folder: Path, ranks: int) -> None:
+        """Restore what ``save_state`` wrote there, written by ``ranks`` processes."""
+        ...
 
     def close(self) -> None: ...
 
@@ -388,25 +390,29 @@ class PolicyTrainer:
         if self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict()}, folder / TRAINER_DIR / "scheduler.pt")
 
-    def load_state(self, folder: Path) -> None:
-        """Restore what :meth:`save_state` wrote, whatever world size wrote it (resharded by
-        ``torch.distributed.checkpoint``). Everything is read before anything is applied; a
-        damaged file raises :class:`CheckpointError` naming it."""
+    def load_state(self, folder: Path, ranks: int = 1) -> None:
+        """Restore what :meth:`save_state` wrote, written by ``ranks`` processes, whatever world
+        size reads it (resharded by ``torch.distributed.checkpoint``). One writer's ``optim.pt``
+        is read with the weights-only loader; the sharded reader (pickled metadata) only for
+        ``ranks > 1``. Everything is read before anything is applied; a damaged file raises
+        :class:`CheckpointError` naming it."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         from rhymerl.training.checkpoint import CheckpointError
 
-        sharded = folder / TRAINER_DIR
-        where = sharded if (sharded / ".metadata").exists() else folder / "optim.pt"
+        where = folder / TRAINER_DIR if ranks > 1 else folder / "optim.pt"
         saved_opt = self.optimizer.state_dict()
         try:
-            if where == sharded:
-                self._load_sharded(sharded)
+            if ranks > 1:
+                self._load_sharded(where)
             else:
                 self._load_single(where)
             if self.draft_head is not None:
                 self.draft_head.load(folder)
         except CheckpointError:
             raise
-        except Exception as e:  # noqa: BLE001 - any damage becomes one clear error
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any damage becomes one clear error
+            # (CheckpointException derives from BaseException: a bare `except Exception` lets it through)
             try:
                 self.optimizer.load_state_dict(saved_opt)
             except Exception:  # noqa: BLE001 - the model state may be half applied: the caller falls back

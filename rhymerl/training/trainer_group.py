@@ -28,6 +28,26 @@ from rhymerl.training.trainer import Experience, SyncStats
 log = logging.getLogger(__name__)
 
 
+RDZV_PREFIX = "rhymerl-rdzv-"
+
+
+def rendezvous_dir() -> str:
+    """A private folder for the ranks' file rendezvous, named for this process; folders left
+    by processes that no longer exist (a killed run) are removed first."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"{RDZV_PREFIX}*-*"):
+        try:
+            pid = int(old.name[len(RDZV_PREFIX):].split("-", 1)[0])
+            if old.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)  # raises if no such process
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+    return tempfile.mkdtemp(prefix=f"{RDZV_PREFIX}{os.getpid()}-")
+
+
 class TrainerRankError(RuntimeError):
     """A trainer rank died, hung or failed; the run stops (``--resume`` continues from the last checkpoint)."""
 
@@ -71,7 +91,7 @@ class TrainerGroup:
         try:
             if local:
                 # A file rendezvous in a folder only this user reads: nothing listens on the network.
-                self._tmp = tempfile.mkdtemp(prefix="rhymerl-rdzv-")
+                self._tmp = rendezvous_dir()
                 # each rank sets its own thread count (RankSpec.threads)
                 # torch's compiler stack: the optimizer's constructor and FSDP's sharded tensors
                 # import it (1.5 s), once in the server instead of in every rank
@@ -101,7 +121,7 @@ class TrainerGroup:
             init_method = self.handles[0].call("node_address", timeout=60)
             loopback = False
         else:  # a cluster of this machine alone: the file rendezvous, as for local processes
-            self._tmp = tempfile.mkdtemp(prefix="rhymerl-rdzv-")
+            self._tmp = rendezvous_dir()
             init_method, loopback = f"file://{self._tmp}/store", True
         self._all("setup", init_method, loopback, timeout=cfg.trainer.collective_timeout_s + 60)
 
@@ -190,10 +210,10 @@ class TrainerGroup:
     def save_state(self, folder: Path) -> None:
         self._all("save_state", str(folder))
 
-    def load_state(self, folder: Path) -> None:
+    def load_state(self, folder: Path, ranks: int = 1) -> None:
         from rhymerl.training.checkpoint import CheckpointError
 
-        errors = [e for e in self._all("load_state", str(folder)) if e]
+        errors = [e for e in self._all("load_state", str(folder), ranks) if e]
         if errors:
             raise CheckpointError(errors[0])
         self._bad_steps = self._all("bad_steps")[0]
