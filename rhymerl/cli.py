@@ -44,8 +44,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if ns.resume:
         if cfg_path:
             raise SystemExit(f"--resume takes the run folder's own config; drop {cfg_path}")
-        return train(resume=ns.resume, resume_overrides=overrides)
-    return train(load_config(cfg_path, overrides), config_path=cfg_path)
+        return train(resume=ns.resume, resume_overrides=overrides, accept_changed_inputs=ns.accept_changed_inputs)
+    return train(load_config(cfg_path, overrides), config_path=cfg_path, accept_changed_inputs=ns.accept_changed_inputs)
 
 
 # The benchmarks, by name: what each measures (every one prints ratios against a baseline timed
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="RL training (builds the SFT base model first if needed)")
     t.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    t.add_argument("--accept-changed-inputs", action="store_true",
+                   help="resume even though the base model, reward file or data changed since the run started")
     t.set_defaults(fn=cmd_train)
     s = sub.add_parser("sft", help="train the tiny base model of a built-in task from scratch")
     s.add_argument("args", nargs="*")

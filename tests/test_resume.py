@@ -292,3 +292,33 @@ def test_a_weight_index_naming_a_file_outside_the_model_folder_is_refused(tmp_pa
         json.dumps({"weight_map": {"model.embed_tokens.weight": "../secret.safetensors"}}))
     with pytest.raises(ValueError, match="not a file of this folder"):
         load_pretrained(tmp_path / "m")
+
+
+def test_inputs_outside_the_run_folder_are_pinned_by_absolute_path_and_sha256(base_model, tmp_path, monkeypatch,
+                                                                              caplog):
+    import logging
+
+    from rhymerl.config import ConfigError
+    from rhymerl.training.rl import train
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                    "    return 0.5 if solution_str else 0.0\n")
+    monkeypatch.chdir(work)
+    run = tmp_path / "run"
+    train(load_config(None, rl_overrides(base_model, run) + ["trainer.steps=1", "trainer.eval_every=0",
+                                                             "data.reward_file=reward.py"]), progress=False)
+    assert str(work / "reward.py") in (run / "config.yaml").read_text()  # absolute
+    assert str(work / "reward.py") in json.loads((run / "inputs.json").read_text())
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("steps: 1", "steps: 2", 1))
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)  # another working directory: the same files
+    (work / "reward.py").write_text((work / "reward.py").read_text().replace("0.5", "1.0"))
+    with pytest.raises(ConfigError, match=r"reward\.py: changed since the run started"):
+        train(resume=str(run), progress=False)
+    with caplog.at_level(logging.WARNING):
+        train(resume=str(run), progress=False, accept_changed_inputs=True)
+    assert "--accept-changed-inputs" in caplog.text
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2

@@ -50,10 +50,27 @@ class WorkerHandle:
         return True
 
 
+def call_all(handles: list[WorkerHandle], method: str, *args: Any, timeout: float) -> list[Any]:
+    """Start ``method`` on every handle, then wait for each, ``timeout`` seconds at most in all:
+    a worker that does not answer is killed and named (:class:`WorkerLost`)."""
+    for h in handles:
+        h.start(method, *args)
+    deadline = time.monotonic() + timeout
+    out = []
+    for h in handles:
+        if not h.wait_result(max(0.0, deadline - time.monotonic())):
+            h.kill()
+            raise WorkerLost(f"worker {h.index} lost: no answer to {method!r} in {timeout:.0f}s "
+                             "(rollout.worker_timeout_s); the run stops, resume it with --resume")
+        out.append(h.result())
+    return out
+
+
 class WorkerPool:
-    """R workers of one backend."""
+    """R workers of one backend; every blocking call to them is bounded by ``timeout_s``."""
 
     handles: list[WorkerHandle]
+    timeout_s: float = 300.0
 
     def wait(self, timeout: float) -> list[WorkerHandle]:
         """Handles whose call has finished (or whose worker died), waiting up to ``timeout``."""
@@ -65,12 +82,14 @@ class WorkerPool:
     def alive(self) -> list[WorkerHandle]:
         return [h for h in self.handles if h.alive]
 
-    def gate_states(self, timeout: float = 60.0) -> list[dict[str, Any] | None]:
+    def gate_states(self, timeout: float | None = None) -> list[dict[str, Any] | None]:
         """Each worker's speculation-gate state (None: dead, or no gate), for checkpoints."""
+        timeout = self.timeout_s if timeout is None else timeout
         return [h.call("gate_state", timeout=timeout) if h.alive else None for h in self.handles]
 
-    def load_gate_states(self, states: list[dict[str, Any] | None], timeout: float = 60.0) -> None:
+    def load_gate_states(self, states: list[dict[str, Any] | None], timeout: float | None = None) -> None:
         """Restore what :meth:`gate_states` saved, worker by worker (extra or missing entries are skipped)."""
+        timeout = self.timeout_s if timeout is None else timeout
         for h, st in zip(self.handles, states):
             if h.alive and st is not None:
                 h.call("load_gate_state", st, timeout=timeout)
@@ -219,9 +238,10 @@ def shared_buffer(named: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list
 _SERVER_PRELOAD = ["torch", "rhymerl.distribution.worker", "rhymerl.training.rank"]
 
 
-def spawn_processes(cls: type, args: list[tuple], *, name: str, preload: tuple[str, ...] = ()) -> list[ProcessHandle]:
+def spawn_processes(cls: type, args: list[tuple], *, name: str, preload: tuple[str, ...] = (),
+                    timeout: float = 300.0) -> list[ProcessHandle]:
     """One process per ``args`` entry, each serving ``cls(*entry)``; returns once all are built
-    (a failed build raises, naming the process).
+    (a failed build raises, naming the process; one not built within ``timeout`` seconds too).
 
     Processes come from a fork server (``multiprocessing``'s ``forkserver``): a clean process,
     started once, that has imported torch but never run an op, so a child inherits no torch
@@ -240,8 +260,11 @@ def spawn_processes(cls: type, args: list[tuple], *, name: str, preload: tuple[s
         child.close()
         handles.append(ProcessHandle(i, proc, parent))
     try:
+        deadline = time.monotonic() + timeout
         for h in handles:  # each process says it is ready once built
             h.started_at = time.monotonic()
+            if not h.wait_result(max(0.0, deadline - time.monotonic())):
+                raise WorkerLost(f"{name}-{h.index}: not built within {timeout:.0f}s")
             h.result()
     except BaseException:
         for h in handles:
@@ -254,12 +277,13 @@ class ProcessPool(WorkerPool):
     """Worker processes on this machine (from a fork server: no inherited torch threads), the cores
     split among them."""
 
-    def __init__(self, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor], *, timeout_s: float = 300.0) -> None:
         # One flat shared buffer holds every weight; a sync writes it once and each worker
         # copies from it, so the weights never pass through a pipe or a file.
+        self.timeout_s = timeout_s
         self._flat, self._layout = shared_buffer(named)
         self.handles = spawn_processes(SharedWeightsWorker, [(spec, self._flat, self._layout) for spec in specs],
-                                       name="rhymerl-worker")
+                                       name="rhymerl-worker", timeout=timeout_s)
 
     def wait(self, timeout: float) -> list[WorkerHandle]:
         busy = {h.conn: h for h in self.handles if h.alive and h.started_at is not None}
@@ -276,11 +300,7 @@ class ProcessPool(WorkerPool):
         with torch.no_grad():
             for n, o, s in self._layout:
                 self._flat[o:o + _numel(s)].copy_(named[n].detach().reshape(-1).to("cpu", torch.float32))
-        live = self.alive()
-        for h in live:
-            h.start("load_shared")
-        for h in live:
-            h.result()
+        call_all(self.alive(), "load_shared", timeout=self.timeout_s)
 
     def close(self) -> None:
         for h in self.alive():
@@ -332,6 +352,22 @@ class RayHandle(WorkerHandle):
             pass
 
 
+def ping_actors(handles: list[RayHandle], timeout: float, what: str) -> None:
+    """Wait for new actors to be placed and built, ``timeout`` seconds at most: an actor asking
+    for a resource the cluster lacks (a GPU) waits forever otherwise. Stragglers are killed."""
+    import ray
+
+    refs = [h.actor.ping.remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if len(ready) < len(refs):
+        late = [h.index for h, r in zip(handles, refs) if r not in ready]
+        for h in handles:
+            h.kill()
+        raise WorkerLost(f"{what} {late} not started within {timeout:.0f}s (does the cluster have the CPUs and "
+                         "GPUs they ask for? `ray status` shows pending demands)")
+    ray.get(ready)
+
+
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads: int = 1) -> None:
     """Start a local Ray cluster (``address=None``) or join one, unless Ray is already up.
 
@@ -357,13 +393,15 @@ class RayPool(WorkerPool):
     """Each worker a Ray actor. ``address=None`` starts a local cluster; else joins that one
     (authenticated: see :func:`init_ray`)."""
 
-    def __init__(self, specs: list[WorkerSpec], *, address: str | None = None, num_cpus: int | None = None) -> None:
+    def __init__(self, specs: list[WorkerSpec], *, address: str | None = None, num_cpus: int | None = None,
+                 timeout_s: float = 300.0) -> None:
         import ray
 
+        self.timeout_s = timeout_s
         init_ray(address, num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), threads=specs[0].threads)
         actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
         self.handles = [RayHandle(i, actor_cls.remote(spec)) for i, spec in enumerate(specs)]
-        ray.get([h.actor.ping.remote() for h in self.handles])
+        ping_actors(self.handles, timeout_s, "rollout worker")
 
     def wait(self, timeout: float) -> list[WorkerHandle]:
         import ray
@@ -382,11 +420,7 @@ class RayPool(WorkerPool):
 
         # numpy arrays go through the object store without pickling the data (zero-copy reads)
         ref = ray.put({n: t.detach().to("cpu", torch.float32).numpy() for n, t in named.items()})
-        live = self.alive()
-        for h in live:
-            h.start("update_weights_numpy", ref)
-        for h in live:
-            h.result()
+        call_all(self.alive(), "update_weights_numpy", ref, timeout=self.timeout_s)
 
     def close(self) -> None:
         for h in self.alive():
@@ -394,13 +428,14 @@ class RayPool(WorkerPool):
 
 
 def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor], *,
-              address: str | None = None, in_process: bool = True) -> WorkerPool:
+              address: str | None = None, in_process: bool = True, timeout_s: float = 300.0) -> WorkerPool:
     """``local``: in this process for one worker (``in_process``), else spawned processes;
-    ``ray``: Ray actors."""
+    ``ray``: Ray actors. ``timeout_s`` bounds every blocking call to a worker."""
     if backend == "local":
-        pool: WorkerPool = InprocPool(specs) if len(specs) == 1 and in_process else ProcessPool(specs, named)
+        pool: WorkerPool = InprocPool(specs) if len(specs) == 1 and in_process else \
+            ProcessPool(specs, named, timeout_s=timeout_s)
     elif backend == "ray":
-        pool = RayPool(specs, address=address)
+        pool = RayPool(specs, address=address, timeout_s=timeout_s)
     else:
         raise ValueError(f"rollout.backend {backend!r} is not one of 'local', 'ray'")
     pool.update_weights(named)

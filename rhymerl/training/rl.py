@@ -45,10 +45,11 @@ from rhymerl.training.checkpoint import (
     save_checkpoint,
 )
 from rhymerl.training.evaluate import evaluate
+from rhymerl.training.inputs import check_inputs, record_inputs, with_absolute_paths
 from rhymerl.training.metrics import MetricsLogger, plot_run
 from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
 from rhymerl.training.policy_versions import InFlight, PolicyVersions
-from rhymerl.training.sft import ensure_base_model
+from rhymerl.training.sft import CARD, ensure_base_model, sft_output_dir
 from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, merge_counts, step_metrics
 from rhymerl.training.summary import print_summary, summarize
 from rhymerl.training.trainer import Experience, PolicyTrainer, Trainer
@@ -87,12 +88,24 @@ _SPEC_COUNTERS = ("forwards", "decode_rows", "accepted", "drafted", "draft_s", "
 class RLRun:
     """All state of one training run; ``run()`` executes it from its current step."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: bool = True) -> None:
-        self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: bool = True,
+                 accept_changed_inputs: bool = False) -> None:
+        self.run_dir, self.progress = run_dir, progress
         run_dir.mkdir(parents=True, exist_ok=True)
-        if latest_checkpoint(run_dir) is None:  # a run's record is written once, never on resume
+        resuming = latest_checkpoint(run_dir) is not None
+        if not resuming:  # a run's record is written once, never on resume
+            cfg = with_absolute_paths(cfg)
             save_config(cfg, run_dir / "config.yaml")
+        self.cfg = cfg
+        if resuming and not cfg.model.path and not (sft_output_dir(cfg) / CARD).exists() \
+                and not accept_changed_inputs:  # never train a new base under a run's checkpoints
+            raise ConfigError(f"{sft_output_dir(cfg)}: the run's base model is gone; restore it, or pass "
+                              "--accept-changed-inputs to train a new one and continue anyway")
         base = ensure_base_model(cfg)
+        if resuming:
+            check_inputs(run_dir, cfg, base, accept_changes=accept_changed_inputs)
+        else:
+            record_inputs(run_dir, cfg, base)
         self.device = resolve_device(cfg.model.device)
         self.tokenizer = load_tokenizer(base)
         distributed = cfg.trainer.world_size > 1
@@ -685,7 +698,7 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> RunCon
 
 
 def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_path: str | None = None,
-          progress: bool = True, resume_overrides: list[str] | None = None) -> int:
+          progress: bool = True, resume_overrides: list[str] | None = None, accept_changed_inputs: bool = False) -> int:
     if resume:
         run_dir = Path(resume)
         cfg = load_run_config(run_dir, resume_overrides)
@@ -694,7 +707,7 @@ def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_pat
         run_dir = run_dir_for(cfg)
         if latest_checkpoint(run_dir) is not None:
             print(f"{run_dir} already has checkpoints: continuing it (use another trainer.output_dir to start anew)")
-    run = RLRun(cfg, run_dir, progress=progress)
+    run = RLRun(cfg, run_dir, progress=progress, accept_changed_inputs=accept_changed_inputs)
     try:
         run.resume()
     except BaseException:

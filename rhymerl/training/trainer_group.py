@@ -96,7 +96,7 @@ class TrainerGroup:
                 # torch's compiler stack: the optimizer's constructor and FSDP's sharded tensors
                 # import it (1.5 s), once in the server instead of in every rank
                 self.handles = spawn_processes(TrainerRank, [(s,) for s in specs], name="rhymerl-trainer",
-                                               preload=("torch._dynamo",))
+                                               preload=("torch._dynamo",), timeout=self.timeout_s)
                 self._all("setup", f"file://{self._tmp}/store", True, timeout=t.collective_timeout_s + 60)
             else:
                 self._start_ray(cfg, specs)
@@ -107,7 +107,7 @@ class TrainerGroup:
     def _start_ray(self, cfg: RunConfig, specs: list[RankSpec]) -> None:
         import ray
 
-        from rhymerl.distribution.backends import RayHandle
+        from rhymerl.distribution.backends import RayHandle, ping_actors
 
         init_ray(cfg.cluster.address, num_cpus=max(os.cpu_count() or 1, cfg.rollout.workers + self.world_size),
                  threads=specs[0].threads)
@@ -116,7 +116,7 @@ class TrainerGroup:
         gpus = 1 if specs[0].device.startswith("cuda") else 0
         actor_cls = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
         self.handles = [RayHandle(r, actor_cls.remote(s)) for r, s in enumerate(specs)]
-        ray.get([h.actor.ping.remote() for h in self.handles])
+        ping_actors(self.handles, self.timeout_s, "trainer ranks")
         if cfg.cluster.address:
             init_method = self.handles[0].call("node_address", timeout=60)
             loopback = False

@@ -1,0 +1,83 @@
+"""Every blocking call to another process is bounded by the config: a hung or dead peer stops
+the run with an error naming it (and --resume), never a wait forever."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from rhymerl.config import load_config
+from rhymerl.distribution.work import WorkerLost
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from rhymerl.model import save_pretrained
+    from tests.conftest import tiny_model
+
+    out = tmp_path_factory.mktemp("m")
+    save_pretrained(tiny_model(), out)
+    return str(out)
+
+
+def _spec(model_dir: str):
+    from rhymerl.distribution.work import WorkerSpec
+
+    return WorkerSpec(model_dir, max_num_seqs=4, max_model_len=32, threads=1)
+
+
+def test_a_stopped_worker_does_not_hold_a_weight_sync_forever(model_dir):
+    from rhymerl.distribution.backends import ProcessPool
+    from rhymerl.model import load_pretrained
+
+    named = dict(load_pretrained(model_dir).named_parameters())
+    pool = ProcessPool([_spec(model_dir), _spec(model_dir)], named, timeout_s=3.0)
+    try:
+        pool.update_weights(named)  # answers
+        os.kill(pool.handles[1].proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(WorkerLost, match=r"worker 1 lost: no answer to 'load_shared' in 3s.*--resume"):
+            pool.update_weights(named)
+        assert time.monotonic() - t < 10
+        with pytest.raises(WorkerLost, match="worker 0"):  # the same bound on the gate-state calls
+            os.kill(pool.handles[0].proc.pid, signal.SIGSTOP)
+            pool.gate_states()
+    finally:
+        for h in pool.handles:
+            if h.proc.is_alive():
+                os.kill(h.proc.pid, signal.SIGCONT)
+        pool.close()
+
+
+def test_a_worker_that_is_never_built_is_named():
+    from rhymerl.distribution import backends
+
+    t = time.monotonic()
+    with pytest.raises(WorkerLost, match="not built within 2s"):
+        backends.spawn_processes(_SlowBuild, [(), ()], name="rhymerl-test", timeout=2.0)
+    assert time.monotonic() - t < 10
+
+
+class _SlowBuild:
+    def __init__(self) -> None:
+        time.sleep(60)
+
+
+def test_trainer_ranks_asking_for_a_gpu_the_cluster_lacks_stop_the_run(base_model, tmp_path):
+    pytest.importorskip("ray")
+    import ray
+
+    from rhymerl.model import load_pretrained
+    from rhymerl.training.trainer_group import TrainerGroup
+
+    cfg = load_config(None, ["trainer.world_size=2", "rollout.backend=ray", "model.device=cuda",
+                             "trainer.rank_timeout_s=5"])
+    t = time.monotonic()
+    try:
+        with pytest.raises(WorkerLost, match=r"trainer ranks \[0, 1\] not started within 5s.*GPUs"):
+            TrainerGroup(cfg, base_model, load_pretrained(base_model), with_ref=False, total_optimizer_steps=1)
+    finally:
+        ray.shutdown()
+    assert time.monotonic() - t < 60
