@@ -186,6 +186,9 @@ class TrainerSection:
 @dataclass
 class ClusterSection:
     address: str | None = None  # join this Ray cluster (backend=ray); None: start a local one
+    # Ray without token authentication lets anyone who reaches its ports run code: refused
+    # unless this is true (then logged). See the README, "Scaling out".
+    allow_insecure: bool = False
 
 
 @dataclass

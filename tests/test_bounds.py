@@ -81,3 +81,48 @@ def test_trainer_ranks_asking_for_a_gpu_the_cluster_lacks_stop_the_run(base_mode
     finally:
         ray.shutdown()
     assert time.monotonic() - t < 60
+
+
+# --- the cluster's doors ------------------------------------------------------------------------
+def test_ray_without_token_authentication_is_refused_unless_allowed():
+    import subprocess
+    import sys
+
+    code = ("from rhymerl.distribution.backends import init_ray\n"
+            "import sys\n"
+            "try:\n    init_ray(num_cpus=1, allow_insecure=sys.argv[1] == '1')\n"
+            "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n"
+            "import ray; ray.shutdown(); print('STARTED')\n")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    refused = subprocess.run([sys.executable, "-c", code, "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 3 and "InsecureClusterError" in refused.stdout
+    assert "cluster.allow_insecure=true" in refused.stdout
+    allowed = subprocess.run([sys.executable, "-c", code, "1"], env=env, capture_output=True, text=True, timeout=180)
+    assert "STARTED" in allowed.stdout and "running anyway" in allowed.stderr
+
+
+def test_rank_zeros_rendezvous_store_listens_on_the_node_address_alone(base_model, monkeypatch):
+    # It listened on every interface, on a port picked by bind-then-close (free for anyone in between).
+    pytest.importorskip("ray")
+    import subprocess
+
+    import ray
+    import torch.distributed as dist
+
+    from rhymerl.training.rank import RankSpec, TrainerRank
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    cfg = load_config(None, [])
+    rank = TrainerRank(RankSpec(base_model, cfg.trainer, cfg.algorithm, rank=0, world_size=1))
+    address = rank.node_address()
+    port = int(address.rsplit(":", 1)[1])
+    assert address.startswith("tcp://127.0.0.1:") and rank._listen.getsockname() == ("127.0.0.1", port)
+    try:
+        rank.setup(address, False)
+        listening = [line.split()[3] for line in subprocess.run(["ss", "-ltn"], capture_output=True,
+                                                                 text=True).stdout.splitlines()[1:]]
+        assert f"127.0.0.1:{port}" in listening
+        assert f"*:{port}" not in listening and f"0.0.0.0:{port}" not in listening
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -368,7 +368,12 @@ def ping_actors(handles: list[RayHandle], timeout: float, what: str) -> None:
     ray.get(ready)
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads: int = 1) -> None:
+class InsecureClusterError(RuntimeError):
+    """Ray's token authentication is off and the config did not allow that."""
+
+
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads: int = 1,
+             allow_insecure: bool = False) -> None:
     """Start a local Ray cluster (``address=None``) or join one, unless Ray is already up.
 
     Ray's token authentication stays as Ray sets it, and no process-wide environment is
@@ -376,17 +381,39 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads
     (on by default since Ray 2.59); joining a cluster sends that cluster's token, found by Ray
     when ``RAY_AUTH_MODE=token`` is set with ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
     ``~/.ray/auth_token`` (see the README). Ray 2.60's servers listen on every interface
-    whatever node address is given (measured with ``ss -ltnp``): the token is the protection.
+    whatever node address is given (measured with ``ss -ltnp``): the token is the protection,
+    so starting or joining with it off is refused unless ``allow_insecure`` (logged).
     """
     import ray
 
     if ray.is_initialized():
         return
+    why = ("Ray token authentication is off (RAY_AUTH_MODE={mode!r}): anyone who reaches the cluster's ports "
+           "can run code on it")
+
+    def refuse_or_warn() -> None:
+        text = why.format(mode=os.environ.get("RAY_AUTH_MODE", ""))
+        if not allow_insecure:
+            raise InsecureClusterError(f"{text}; turn it on (unset RAY_AUTH_MODE or set it to 'token'), or set "
+                                       "cluster.allow_insecure=true to run anyway")
+        log.warning("%s; running anyway (cluster.allow_insecure=true)", text)
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        refuse_or_warn()  # before a local cluster opens its ports
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    disabled_by_env = os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled"  # already refused or allowed
+    if get_authentication_mode() != AuthenticationMode.TOKEN and not disabled_by_env:
+        try:
+            refuse_or_warn()  # off some other way (Ray's own config): known only once connected
+        except InsecureClusterError:
+            ray.shutdown()
+            raise
 
 
 class RayPool(WorkerPool):
@@ -394,11 +421,12 @@ class RayPool(WorkerPool):
     (authenticated: see :func:`init_ray`)."""
 
     def __init__(self, specs: list[WorkerSpec], *, address: str | None = None, num_cpus: int | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, allow_insecure: bool = False) -> None:
         import ray
 
         self.timeout_s = timeout_s
-        init_ray(address, num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), threads=specs[0].threads)
+        init_ray(address, num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), threads=specs[0].threads,
+                 allow_insecure=allow_insecure)
         actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
         self.handles = [RayHandle(i, actor_cls.remote(spec)) for i, spec in enumerate(specs)]
         ping_actors(self.handles, timeout_s, "rollout worker")
@@ -428,14 +456,15 @@ class RayPool(WorkerPool):
 
 
 def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.Tensor], *,
-              address: str | None = None, in_process: bool = True, timeout_s: float = 300.0) -> WorkerPool:
+              address: str | None = None, in_process: bool = True, timeout_s: float = 300.0,
+              allow_insecure: bool = False) -> WorkerPool:
     """``local``: in this process for one worker (``in_process``), else spawned processes;
     ``ray``: Ray actors. ``timeout_s`` bounds every blocking call to a worker."""
     if backend == "local":
         pool: WorkerPool = InprocPool(specs) if len(specs) == 1 and in_process else \
             ProcessPool(specs, named, timeout_s=timeout_s)
     elif backend == "ray":
-        pool = RayPool(specs, address=address, timeout_s=timeout_s)
+        pool = RayPool(specs, address=address, timeout_s=timeout_s, allow_insecure=allow_insecure)
     else:
         raise ValueError(f"rollout.backend {backend!r} is not one of 'local', 'ray'")
     pool.update_weights(named)

@@ -122,7 +122,7 @@ def build_coordinator(cfg: RunConfig, model_path: str | Path, named: Mapping[str
         cost = profile_cost(model_path, cfg, specs[0].threads)
         log.info("worker cost curve: %s", cost.to_dict())
     pool = make_pool(r.backend, specs, named, address=cfg.cluster.address, in_process=in_process_worker(cfg),
-                     timeout_s=r.worker_timeout_s)
+                     timeout_s=r.worker_timeout_s, allow_insecure=cfg.cluster.allow_insecure)
     return RolloutCoordinator(pool, policy=r.schedule, history=history, cost=cost, max_num_seqs=r.max_num_seqs,
                               length_stat=r.length_stat, tail_fraction=r.tail_fraction,
                               worker_timeout_s=r.worker_timeout_s, complementary=r.complementary,

@@ -76,16 +76,18 @@ class TrainerRank:
         return os.getpid()
 
     def node_address(self) -> str:
-        """An address of this node that other nodes reach, with a free port (rank 0 hosts the rendezvous)."""
+        """Rank 0 (a cluster): the rendezvous address, a socket bound to this node's cluster
+        address alone (not every interface) and held open until the store takes it over in
+        :meth:`setup` (no window in which another process can take the port)."""
         import socket
 
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        self._listen = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
+        self._listen.bind((ip, 0))
+        self._listen.listen()
+        return f"tcp://{ip}:{self._listen.getsockname()[1]}"
 
     def setup(self, init_method: str, loopback_only: bool) -> int:
         """Join the group, load and wrap the policy (and reference), build the optimizer."""
@@ -101,8 +103,17 @@ class TrainerRank:
         device = torch.device(f"cuda:{spec.rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=spec.rank,
-                                world_size=spec.world_size, timeout=timedelta(seconds=tcfg.collective_timeout_s))
+        timeout = timedelta(seconds=tcfg.collective_timeout_s)
+        if init_method.startswith("tcp://"):  # a cluster: rank 0's store listens on the socket node_address bound
+            host, port = init_method[len("tcp://"):].rsplit(":", 1)
+            listen = getattr(self, "_listen", None) if spec.rank == 0 else None
+            store = dist.TCPStore(host.strip("[]"), int(port), spec.world_size, spec.rank == 0, timeout,
+                                  master_listen_fd=listen.fileno() if listen is not None else None)
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=spec.rank,
+                                    world_size=spec.world_size, timeout=timeout)
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=spec.rank,
+                                    world_size=spec.world_size, timeout=timeout)
         strategy = get_strategy(tcfg.strategy)
         model = load_pretrained(spec.model_path, device=device, dtype=torch.float32)
         ref = None

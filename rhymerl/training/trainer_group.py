@@ -110,7 +110,7 @@ class TrainerGroup:
         from rhymerl.distribution.backends import RayHandle, ping_actors
 
         init_ray(cfg.cluster.address, num_cpus=max(os.cpu_count() or 1, cfg.rollout.workers + self.world_size),
-                 threads=specs[0].threads)
+                 threads=specs[0].threads, allow_insecure=cfg.cluster.allow_insecure)
         # On CUDA each rank actor reserves a GPU, so Ray spreads the ranks over the nodes' GPUs
         # (each then sees one device; the rollout workers share them, as in verl's colocation).
         gpus = 1 if specs[0].device.startswith("cuda") else 0
