@@ -4,6 +4,7 @@
     rhymerl sft   [CONFIG.yaml] [key=value ...]
     rhymerl bench {engine,spec,e2e,pipe,train,project} [--json FILE] [--quick]
     rhymerl export RUN_DIR [--out DIR] [--force]
+    rhymerl config [--markdown]           every configuration key, its default and meaning
 """
 from __future__ import annotations
 
@@ -115,8 +116,35 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(ns: argparse.Namespace) -> int:
+    from rhymerl.config_reference import markdown, reference
+
+    if ns.markdown:
+        print(markdown(), end="")
+        return 0
+    for key, tp, default, note in reference():
+        print(f"{key} = {default!r}  ({tp}){'  # ' + note if note else ''}")
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors the project raises on purpose: their message says what and where, so the command
+    line prints it alone (a traceback only with --debug)."""
+    from rhymerl.data.dataset import DatasetError
+    from rhymerl.distribution.backends import InsecureClusterError
+    from rhymerl.distribution.work import WorkerLost
+    from rhymerl.rewards.pool import RewardLoadError
+    from rhymerl.training.checkpoint import CheckpointError
+    from rhymerl.training.rl import RewardFunctionError
+    from rhymerl.training.trainer_group import TrainerRankError
+
+    return (ConfigError, DatasetError, CheckpointError, RewardFunctionError, RewardLoadError, TrainerRankError,
+            WorkerLost, InsecureClusterError)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rhymerl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="print tracebacks of expected errors too")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="RL training (builds the SFT base model first if needed)")
     t.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
@@ -156,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="train: where the trainer ranks run (local processes or Ray actors)")
     b.set_defaults(fn=cmd_bench)
+    c = sub.add_parser("config", help="list every configuration key with its default and meaning")
+    c.add_argument("--list", action="store_true", help="(the default) one key a line")
+    c.add_argument("--markdown", action="store_true", help="the table of docs/config.md")
+    c.set_defaults(fn=cmd_config)
     e = sub.add_parser("export", help="write a run's final policy as an HF folder")
     e.add_argument("run_dir")
     e.add_argument("--out")
@@ -164,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - sorted below: expected errors in one line, the rest re-raised
+        if ns.debug or not isinstance(e, _user_errors()):
+            raise
+        kind = "config error" if isinstance(e, ConfigError) else type(e).__name__
+        print(f"rhymerl: {kind}: {e}", file=sys.stderr)
         return 2
 
 

@@ -361,8 +361,6 @@ def _validate_speculative(cfg: RunConfig) -> None:
     if trains_draft_head(sp) and cfg.trainer.world_size > 1:
         raise ConfigError("rollout.speculative: a draft head trained online needs trainer.world_size=1 "
                           "(or load a trained one with rollout.speculative.draft_head=PATH)")
-    if sp.draft_max < 1:
-        raise ConfigError(f"rollout.speculative.draft_max: must be >= 1, got {sp.draft_max}")
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -372,46 +370,74 @@ def _validate(cfg: RunConfig) -> None:
     for key, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: must be a finite number, got {value}")
+    for key, (what, ok) in RANGES.items():
+        if not ok(flat[key]):
+            raise ConfigError(f"{key}: must be {what}, got {flat[key]}")
     for key, choices in _choices().items():
         if flat[key] not in choices:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {list(choices)}")
-    if cfg.trainer.async_staleness < 0:
-        raise ConfigError(f"trainer.async_staleness: must be >= 0 (0: synchronous), got {cfg.trainer.async_staleness}")
     if cfg.trainer.async_staleness and cfg.algorithm.dynamic_sampling and cfg.algorithm.max_resample_batches:
         raise ConfigError("algorithm.max_resample_batches: refilling a filtered batch needs the rollout workers "
                           "mid-step, which async RL (trainer.async_staleness > 0) gives to the next batch; use 0")
     _validate_split(cfg)
-    if not cfg.algorithm.is_cap >= 1.0:
-        raise ConfigError(f"algorithm.is_cap: must be >= 1, got {cfg.algorithm.is_cap}")
     _validate_speculative(cfg)
+    for key, paths in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files),
+                       ("data.reward_file", [cfg.data.reward_file] if cfg.data.reward_file else [])):
+        for f in paths:  # found now, not after the base model has trained
+            if not Path(f).is_file():
+                raise ConfigError(f"{key}: {f}: file not found")
     if not cfg.data.train_files and cfg.data.task not in TASKS:
         raise ConfigError(f"data.task: unknown task {cfg.data.task!r} (built-in: {sorted(TASKS)})")
-    positive = ["rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
-                "trainer.batch_prompts", "trainer.micro_batch_size", "sft.batch_size", "trainer.ppo_epochs",
-                "trainer.ppo_mini_batches", "rollout.workers", "rollout.worker_timeout_s", "trainer.world_size",
-                "trainer.collective_timeout_s", "trainer.rank_timeout_s"]
-    for key in positive:
-        if flat[key] <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {flat[key]}")
-    if not cfg.reward.timeout_s > 0:
-        raise ConfigError(f"reward.timeout_s: must be > 0, got {cfg.reward.timeout_s}")
-    if cfg.reward.workers <= 0:
-        raise ConfigError(f"reward.workers: must be > 0, got {cfg.reward.workers}")
-    if cfg.data.min_response_tokens < 1:
-        raise ConfigError(f"data.min_response_tokens: must be >= 1, got {cfg.data.min_response_tokens}")
-    if cfg.trainer.micro_batch_tokens < 0:
-        raise ConfigError(f"trainer.micro_batch_tokens: must be >= 0 (0: off), got {cfg.trainer.micro_batch_tokens}")
-    if cfg.rollout.threads < 0:
-        raise ConfigError(f"rollout.threads: must be >= 0 (0: automatic), got {cfg.rollout.threads}")
-    if cfg.rollout.carry_over_tokens < 0:
-        raise ConfigError(f"rollout.carry_over_tokens: must be >= 0 (0: off), got {cfg.rollout.carry_over_tokens}")
-    if cfg.rollout.temperature < 0:
-        raise ConfigError(f"rollout.temperature: must be >= 0, got {cfg.rollout.temperature}")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    sp = cfg.rollout.speculative
+    if sp.pattern_min > sp.pattern_max or sp.prompt_lookup_min > sp.prompt_lookup_max:
+        raise ConfigError("rollout.speculative: pattern_min/prompt_lookup_min must not exceed pattern_max/"
+                          f"prompt_lookup_max, got {sp.pattern_min}/{sp.pattern_max}, "
+                          f"{sp.prompt_lookup_min}/{sp.prompt_lookup_max}")
+    if cfg.model.num_attention_heads % cfg.model.num_key_value_heads:
+        raise ConfigError(f"model.num_key_value_heads: must divide model.num_attention_heads, got "
+                          f"{cfg.model.num_key_value_heads} and {cfg.model.num_attention_heads}")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens: {cfg.rollout.max_tokens} leaves no room for the prompt within "
                           f"rollout.max_model_len={cfg.rollout.max_model_len}")
+
+
+def _ranges() -> dict[str, tuple[str, Any]]:
+    """Every numeric key's valid range: (what it must be, the check)."""
+    rules = [
+        ("> 0", lambda v: v > 0, [
+            "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers", "model.num_attention_heads",
+            "model.num_key_value_heads", "data.num_train", "sft.steps", "sft.batch_size", "sft.lr", "sft.num_examples",
+            "sft.max_minutes", "rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
+            "rollout.speculative.max_draft", "rollout.speculative.pattern_max", "rollout.speculative.history_epochs",
+            "rollout.speculative.prompt_lookup_min", "rollout.speculative.prompt_lookup_max",
+            "rollout.speculative.draft_max", "rollout.speculative.draft_head_lr", "rollout.workers",
+            "rollout.worker_timeout_s", "reward.timeout_s", "reward.workers", "trainer.steps", "trainer.batch_prompts",
+            "trainer.lr", "trainer.grad_clip", "trainer.ppo_epochs", "trainer.ppo_mini_batches",
+            "trainer.micro_batch_size", "trainer.world_size", "trainer.collective_timeout_s",
+            "trainer.rank_timeout_s"]),
+        (">= 0", lambda v: v >= 0, [
+            "seed", "data.num_val", "sft.warmup_steps", "sft.weight_decay", "sft.eval_prompts",
+            "rollout.temperature", "rollout.speculative.reward_weight", "algorithm.clip_ratio_high",
+            "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.max_resample_batches",
+            "algorithm.overlong_buffer", "algorithm.overlong_penalty", "trainer.warmup_steps", "trainer.weight_decay",
+            "trainer.max_bad_steps"]),
+        (">= 0 (0: off)", lambda v: v >= 0, [
+            "rollout.speculative.tree_budget", "rollout.carry_over_tokens", "trainer.micro_batch_tokens"]),
+        (">= 0 (0: the last step only)", lambda v: v >= 0, ["trainer.save_every", "trainer.eval_every"]),
+        (">= 0 (0: synchronous)", lambda v: v >= 0, ["trainer.async_staleness"]),
+        (">= 0 (0: automatic)", lambda v: v >= 0, ["rollout.threads"]),
+        (">= 1", lambda v: v >= 1, ["data.min_response_tokens", "rollout.speculative.pattern_min",
+                                    "algorithm.is_cap"]),
+        ("> 1 (dual-clip)", lambda v: v > 1, ["algorithm.clip_ratio_c"]),
+        ("in (0, 1]", lambda v: 0 < v <= 1, ["rollout.top_p"]),
+        ("in [0, 1]", lambda v: 0 <= v <= 1, ["rollout.speculative.min_prob", "rollout.tail_fraction"]),
+        ("in [0, 1)", lambda v: 0 <= v < 1, ["algorithm.clip_ratio_low"]),
+        ("-1 (off) or >= 1", lambda v: v == -1 or v >= 1, ["rollout.top_k"]),
+    ]
+    return {key: (what, ok) for what, ok, keys in rules for key in keys}
+
+
+RANGES = _ranges()
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

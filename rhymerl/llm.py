@@ -3,6 +3,7 @@ drafters it composes (the engine knows drafters only as a ``Proposer``)."""
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -136,7 +137,7 @@ class LLM:
             seed = sp.seed if sp.seed is not None else self._rng.getrandbits(62)
             key = prompt_keys[i] if prompt_keys is not None else None
             rids.append(self.engine.add_request(self._encode(pr), sp, seed, key))
-        bar = tqdm(total=len(rids), desc="rollout", unit="req", disable=not use_tqdm, leave=False)
+        bar = tqdm(total=len(rids), desc="rollout", unit="req", disable=not use_tqdm or not sys.stderr.isatty(), leave=False)
         done = sum(self.engine.requests[r].finished for r in rids)
         bar.update(done)
         while self.engine.has_unfinished():

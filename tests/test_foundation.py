@@ -226,11 +226,11 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # The floors (docs/design.md): a module imports only from its own floor or the ones below.
 FLOORS = [
-    {"atomic_io", "device", "tokenizer"},
+    {"atomic_io", "device", "tokenizer", "progress"},
     {"model", "tasks", "algos"},
     {"engine", "rewards"},
     {"drafting", "scheduling"},
-    {"config", "llm"},
+    {"config", "config_reference", "llm"},
     {"data", "distribution"},
     {"training"},
     {"bench", "cli"},
@@ -262,3 +262,63 @@ def test_no_module_imports_from_a_floor_above_it():
     upward = sorted((m, x) for m, deps in graph.items() if m != "rhymerl" for x in deps
                     if x != "rhymerl" and _floor(x) > _floor(m))
     assert not upward, upward
+
+
+def test_the_config_reference_lists_every_key_and_docs_config_md_is_current():
+    from pathlib import Path
+
+    from rhymerl.config import _flatten, RunConfig
+    from rhymerl.config_reference import markdown, reference
+
+    assert [k for k, *_ in reference()] == list(_flatten(RunConfig().to_dict()))
+    doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert doc.read_text() == markdown(), "docs/config.md is stale: rhymerl config --markdown > docs/config.md"
+
+
+def test_every_numeric_key_has_its_range_checked_up_front():
+    # `trainer.steps=-1` trained the base, then crashed in the summary (KeyError): every
+    # numeric key is range-checked before anything runs, naming the key.
+    from rhymerl.config import RANGES
+    from rhymerl.config_reference import reference
+
+    numeric = [k for k, tp, *_ in reference() if tp in ("int", "float")]
+    assert sorted(numeric) == sorted(RANGES), sorted(set(numeric) ^ set(RANGES))
+    bad = {"> 0": 0, ">= 0": -1, ">= 1": 0, "> 1": 1, "in (0, 1]": 1.5, "in [0, 1]": -0.5, "in [0, 1)": 1.0,
+           "-1 (off) or >= 1": 0}
+    for key, (what, ok) in RANGES.items():
+        value = next(v for prefix, v in bad.items() if what.startswith(prefix))
+        assert not ok(value)
+        with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: must be"):
+            load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train", "data.train_files=[/nonexistent.jsonl]"], "data.train_files: /nonexistent.jsonl: file not found"),
+    (["train", "trainer.steps=-1"], "trainer.steps: must be > 0, got -1"),
+    (["export", "/nonexistent-run"], "/nonexistent-run: no complete checkpoint to export"),
+])
+def test_a_users_mistake_is_one_line_and_exit_code_2(args, says):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "rhymerl.cli", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    if args[0] == "export":  # (cheapest to start) the traceback is one flag away
+        debug = subprocess.run([sys.executable, "-m", "rhymerl.cli", "--debug", *args], capture_output=True,
+                               text=True, timeout=120)
+        assert "Traceback" in debug.stderr
+
+
+def test_progress_in_a_log_file_is_a_few_plain_lines():
+    import io
+
+    from rhymerl.progress import LineProgress
+
+    out = io.StringIO()
+    bar = LineProgress(range(150), desc="rl", total=150, stream=out)
+    for i in bar:
+        bar.set_postfix(reward=f"{i / 150:.2f}")
+    lines = out.getvalue().splitlines()
+    assert 15 <= len(lines) <= 21 and "\r" not in out.getvalue()
+    assert lines[-1].startswith("rl 150/150") and "reward=0.99" in lines[-1]

@@ -1,8 +1,9 @@
 """Fuzzed input: data rows, config values, history files, checkpoint folders.
 
 Every case must end in a clear error of the documented type (naming the file, row or key)
-or a discarded file, never another exception from deep inside. The number of cases per test
-is ``RHYMERL_FUZZ_EXAMPLES`` (200 here; ``scripts/fault_inject.py`` runs 1,000 and more).
+or a discarded file, never another exception from deep inside, and what loads must be what a
+run can use (token ids within the vocabulary; a checkpoint restores the same state or is
+refused). The number of cases per test is ``RHYMERL_FUZZ_EXAMPLES`` (1,000 in the default run).
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rhymerl.config import ConfigError, RunConfig, load_config
 from rhymerl.data.dataset import DatasetError, PromptRow, load_dataset_files, parse_row
 
-EXAMPLES = int(os.environ.get("RHYMERL_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("RHYMERL_FUZZ_EXAMPLES", "1000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large])
@@ -155,11 +157,40 @@ def test_fuzzed_history_files_load_or_are_discarded(tmp_path_factory, history_fi
         blob = gzip.compress(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": text}).encode())
     path = tmp_path_factory.mktemp("h") / "h.json.gz"
     path.write_bytes(blob)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
-        store = HistoryStore.load(path)
+        store = HistoryStore.load(path, vocab_size=HISTORY_VOCAB)
     assert isinstance(store, HistoryStore)
-    for key in list(store.prompts):
-        assert all(isinstance(t, int) for r in store.prompts[key].rollouts for resp in r.responses for t in resp)
+    if str(path) in caplog.text:  # discarded (said so, naming the file): nothing of it kept
+        assert not store.prompts
+    # what loads is usable: every id within the vocabulary (one beyond it crashed generation on
+    # every resume), every prompt within the store's rollout limit
+    for h in store.prompts.values():
+        assert len(h.rollouts) <= store.max_rollouts
+        assert all(isinstance(t, int) and 0 <= t < HISTORY_VOCAB for t in h.prompt_tail)
+        assert all(isinstance(t, int) and 0 <= t < HISTORY_VOCAB
+                   for r in h.rollouts for resp in r.responses for t in resp)
+
+
+HISTORY_VOCAB = 64
+
+
+def test_a_history_with_token_ids_beyond_the_vocabulary_or_a_huge_body_is_discarded(tmp_path, caplog):
+    import hashlib
+
+    from rhymerl.drafting import HistoryStore
+
+    store = HistoryStore(max_rollouts=1)
+    store.add("p", [1, 2], [[3, 4, 10**9]], 1, [1.0])  # a checksum-valid store with an id far past any vocab
+    store.save(tmp_path / "h.json.gz")
+    with caplog.at_level(logging.WARNING):
+        assert HistoryStore.load(tmp_path / "h.json.gz", vocab_size=HISTORY_VOCAB).prompts == {}
+    assert "beyond the vocabulary" in caplog.text
+    body = json.dumps({"pad": "x" * 5000})
+    (tmp_path / "big.json.gz").write_bytes(gzip.compress(json.dumps(
+        {"sha256": hashlib.sha256(body.encode()).hexdigest(), "body": body}).encode()))
+    assert HistoryStore.load(tmp_path / "big.json.gz", max_bytes=1000).prompts == {}
+    assert "unzips to more than 1000 bytes" in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -177,21 +208,34 @@ def saved_run(base_model, tmp_path_factory):
     rl.close()
 
 
-CKPT_FILES = ["policy/model.safetensors", "policy/config.json", "optim.pt", "rng.pt", "state.json",
-              "history.json.gz", "COMPLETE"]
+def _restored(rl) -> tuple:
+    """What a restore put into the run: its step, loader position and weights."""
+    return rl.step, json.dumps(rl.loader.state_dict(), sort_keys=True), \
+        [p.detach().clone() for p in rl.model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def intact(saved_run):
+    from rhymerl.training.checkpoint import latest_checkpoint
+
+    run, rl = saved_run
+    rl._restore(latest_checkpoint(run))
+    return _restored(rl)
 
 
 @FUZZ
 @given(data=st.data())
-def test_fuzzed_checkpoint_folders_restore_or_raise_checkpoint_error(saved_run, data, tmp_path_factory):
-    from rhymerl.training.checkpoint import CheckpointError, latest_checkpoint
+def test_fuzzed_checkpoint_folders_restore_the_same_state_or_raise_checkpoint_error(saved_run, intact, data,
+                                                                                    tmp_path_factory):
+    from rhymerl.training.checkpoint import MANIFEST, CheckpointError, file_digests, latest_checkpoint
 
     run, rl = saved_run
     src = latest_checkpoint(run)
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())  # every file a resume reads
     dst = tmp_path_factory.mktemp("ck") / "checkpoints" / src.name
     shutil.copytree(src, dst)
     for _ in range(data.draw(st.integers(1, 2))):
-        name = data.draw(st.sampled_from(CKPT_FILES))
+        name = data.draw(st.sampled_from(files))
         f = dst / name
         how = data.draw(st.sampled_from(["delete", "truncate", "flip", "json"]))
         if how == "delete":
@@ -204,13 +248,28 @@ def test_fuzzed_checkpoint_folders_restore_or_raise_checkpoint_error(saved_run, 
             i = data.draw(st.integers(0, len(b) - 1))
             b[i] ^= data.draw(st.integers(1, 255))
             f.write_bytes(bytes(b))
-        elif how == "json" and name in ("state.json", "policy/config.json"):
+        elif how == "json" and name.endswith(".json") and isinstance(json.loads((src / name).read_text()), dict):
             base = json.loads((src / name).read_text())
-            key = data.draw(st.sampled_from(sorted(base)))
+            key = data.draw(st.sampled_from(sorted(base) or ["k"]))
             base[key] = data.draw(json_values)
             f.write_text(json.dumps(base))
+    # Resealed: the manifest rewritten over the damage (as a buggy writer would), so the
+    # readers behind it are fuzzed too; unsealed, the manifest alone must refuse it.
+    resealed = data.draw(st.booleans())
+    if resealed:
+        (dst / MANIFEST).write_text(json.dumps(file_digests(dst)))
+    changed = file_digests(dst) != file_digests(src)
     try:
         rl._restore(dst)
     except Exception as e:  # noqa: BLE001 - the assertion is on the type
         assert isinstance(e, CheckpointError), f"{type(e).__name__}: {e}"
         assert str(dst) in str(e)
+        return
+    # restored: an unsealed change never gets here (the manifest refuses it); an unchanged
+    # folder restores exactly the intact state; a resealed change restores a state the run can use
+    assert resealed or not changed, "a changed checkpoint restored without its manifest refusing it"
+    step, loader, weights = _restored(rl)
+    if not changed:
+        assert (step, loader) == intact[:2] and all(torch.equal(a, b) for a, b in zip(weights, intact[2]))
+    else:
+        rl.loader.next_batch()  # the loader position it restored is one the run can continue from

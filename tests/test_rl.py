@@ -25,6 +25,8 @@ def test_train_runs_and_writes_run_folder(base_model, tmp_path):
                 "spec/accepted_per_forward", "spec/forwards_per_token", "spec/draft_ms"):
         assert key in rows[1], key
     assert (run / "plots.png").exists() and (run / "config.yaml").exists()
+    held = json.loads((run / "summary.json").read_text())["heldout"]
+    assert set(held) == {"greedy", "sampled"} and held["greedy"]["n"] == 8 and len(held["sampled"]["ci95"]) == 2
     assert list((run / "tensorboard").glob("events.*"))
     assert rows[-1]["data/epoch"] >= 1  # 6 prompts, 4 per step: crossed an epoch boundary
     # the tiny run learns at every step (the exact-resume tests rely on it: weights that never
@@ -177,6 +179,11 @@ def test_checkpoint_of_another_model_is_refused(base_model, tmp_path):
     c = json.loads((ck / "policy" / "config.json").read_text())
     c["num_hidden_layers"] = 1
     (ck / "policy" / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="config.json: SHA-256 differs"):  # the manifest sees it first
+        train(resume=str(tmp_path / "run"), progress=False)
+    from rhymerl.training.checkpoint import MANIFEST, file_digests
+
+    (ck / MANIFEST).write_text(json.dumps(file_digests(ck)))  # consistent, but of another model
     with pytest.raises(ValueError, match="another model|do not fit"):
         train(resume=str(tmp_path / "run"), progress=False)
     assert cfg_path.exists()
@@ -358,3 +365,19 @@ def test_async_rl_is_reproducible_and_resumes_exactly_with_a_batch_in_flight(bas
     run = tmp_path / "killed"
     kill_and_resume(run, rl_overrides(base_model, run) + a + ["rollout.workers=2"], after_step=2)
     assert learning_metrics(run) == ref
+
+
+def test_the_heldout_gain_carries_a_paired_bootstrap_interval(capsys, tmp_path):
+    from rhymerl.training.summary import paired_gain, print_summary
+
+    before = [0.0] * 60 + [1.0] * 40
+    after = [1.0] * 30 + [0.0] * 30 + [1.0] * 40  # +30 points on the same prompts
+    g = paired_gain(before, after)
+    assert g["n"] == 100 and abs(g["delta"] - 0.30) < 1e-12 and (g["before"], g["after"]) == (0.4, 0.7)
+    lo, hi = g["ci95"]
+    assert 0.2 < lo < 0.3 < hi < 0.4  # paired: the 40 prompts right in both add no noise
+    noise = paired_gain([0.0, 1.0] * 50, [1.0, 0.0] * 50)  # same accuracy, every prompt flipped
+    assert noise["delta"] == 0 and noise["ci95"][0] < -0.15 and noise["ci95"][1] > 0.15
+    print_summary({"steps": 1, "wall_s": 1.0, "time_split": {}, "spec_accepted_per_forward": 1.0,
+                   "spec_forwards_per_token": 1.0, "heldout": {"greedy": g}}, tmp_path)
+    assert "held-out greedy accuracy: 40.0% -> 70.0% (+30.0, 95% CI +" in capsys.readouterr().out

@@ -165,12 +165,18 @@ class HistoryStore:
 
     @classmethod
     def load(cls, path: str | Path, *, tokenizer_fingerprint: str | None = None,
-             max_total_tokens: int = 50_000_000) -> "HistoryStore":
-        """Load a saved store; on any corruption or a foreign tokenizer, warn and return an empty one."""
+             max_total_tokens: int = 50_000_000, vocab_size: int | None = None,
+             max_bytes: int = 1 << 30) -> "HistoryStore":
+        """Load a saved store; on any corruption, a foreign tokenizer, a token id outside
+        ``vocab_size`` (it would crash generation on every resume) or a body over ``max_bytes``
+        once unzipped, warn and return an empty one."""
         empty = cls(tokenizer_fingerprint=tokenizer_fingerprint, max_total_tokens=max_total_tokens)
         try:
-            with gzip.open(path, "rt") as f:
-                doc = json.loads(f.read())
+            with gzip.open(path, "rb") as f:
+                raw = f.read(max_bytes + 1)  # bounded: a small file may unzip to gigabytes
+            if len(raw) > max_bytes:
+                raise ValueError(f"unzips to more than {max_bytes} bytes")
+            doc = json.loads(raw.decode())
             body = doc["body"]
             if hashlib.sha256(body.encode()).hexdigest() != doc["sha256"]:
                 raise ValueError("checksum mismatch")
@@ -187,9 +193,9 @@ class HistoryStore:
                         prompt_tail=_positive_int(data["prompt_tail"]), tokenizer_fingerprint=data["tokenizer"])
             rows = []
             for k, h in data["prompts"].items():
-                tail = _token_list(h["tail"])
+                tail = _token_list(h["tail"], vocab_size)
                 for r in h["rollouts"]:
-                    responses = [_token_list(x) for x in r["responses"]]
+                    responses = [_token_list(x, vocab_size) for x in r["responses"]]
                     rewards = r["rewards"]
                     if not isinstance(rewards, list) or len(rewards) != len(responses) or not all(
                             w is None or isinstance(w, (int, float)) and not isinstance(w, bool) for w in rewards):
@@ -216,7 +222,9 @@ def _positive_int(x: object) -> int:
     return x  # type: ignore[return-value]
 
 
-def _token_list(x: object) -> list[int]:
+def _token_list(x: object, vocab_size: int | None = None) -> list[int]:
     if not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x):
         raise ValueError("expected a list of token ids")
+    if vocab_size is not None and any(t >= vocab_size for t in x):
+        raise ValueError(f"a token id beyond the vocabulary ({max(x)} >= {vocab_size})")
     return x

@@ -23,6 +23,10 @@ from rhymerl.rewards.registry import RewardCall, RewardResult, RewardSpec
 log = logging.getLogger(__name__)
 
 
+
+class RewardLoadError(RuntimeError):
+    """The reward functions (a user's reward file) could not be loaded; the message says why."""
+
 def _serve(conn: Connection, spec: RewardSpec) -> None:
     """A pool worker: build the registry, then answer chunks of calls, one message per call."""
     try:
@@ -51,7 +55,7 @@ class _Worker:
         kind, detail = self.conn.recv() if self.conn.poll(120) else ("init_error", "did not start within 120 s")
         if kind != "ready":
             self.kill()
-            raise RuntimeError(f"reward worker could not load the reward functions: {detail}")
+            raise RewardLoadError(f"reward worker could not load the reward functions: {detail}")
         self.queue: list[tuple[int, RewardCall]] = []  # sent, not yet answered, in order
         self.deadline = 0.0
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +30,7 @@ class EvalResult:
     accuracy: float
     lengths: list[int]
     format_ok: float  # share of responses that ended with a stop token rather than the length cap
+    per_prompt: list[float] = field(default_factory=list)  # each prompt's mean reward, in row order
 
     def length_stats(self) -> dict[str, float]:
         a = np.array(self.lengths)
@@ -51,4 +52,5 @@ def evaluate(llm: LLM, rows: list[PromptRow], rewards: Scorer, *, max_tokens: in
             lengths.append(len(c.token_ids))
             ok.append(c.finish_reason == "stop")
     scores = [res.score for res in rewards.score_many(calls)]
-    return EvalResult(float(np.mean(scores)), lengths, float(np.mean(ok)))
+    per_prompt = [float(np.mean(scores[i * n:(i + 1) * n])) for i in range(len(rows))]
+    return EvalResult(float(np.mean(scores)), lengths, float(np.mean(ok)), per_prompt)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from rhymerl.algos import ADV_ESTIMATORS, informative, shaped_rewards
 from rhymerl.atomic_io import atomic_write_text, fsync_file, read_jsonl, rewrite_jsonl
@@ -34,6 +33,7 @@ from rhymerl.device import machine_info, resolve_device, resolve_dtype, torch_th
 from rhymerl.drafting import trains_draft_head
 from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.model import load_pretrained
+from rhymerl.progress import progress
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.tokenizer import encode_prompt, load_tokenizer, tokenizer_fingerprint
 from rhymerl.training.batch import GroupScore, KeptBatch, ScoredRollout
@@ -143,6 +143,9 @@ class RLRun:
         self.prompt_split = minibatch_split(cfg) == "prompts"  # the update starts on groups as they land
         self.step = 0
         self.initial_accuracy: dict[str, float] | None = None
+        # held-out per-prompt scores (greedy, sampled) at the start and at the last evaluation
+        self.initial_heldout: dict[str, list[float]] = {}
+        self.last_heldout: dict[str, list[float]] = {}
         self.carried: list[CarriedGroup] = []  # paused groups waiting for the next step
         if cfg.rollout.carry_over_tokens > 0:
             log.warning("rollout.carry_over_tokens=%d: samples unfinished after that many tokens continue in "
@@ -553,10 +556,12 @@ class RLRun:
             if initial is not None and not (isinstance(initial, dict) and all(
                     isinstance(v, (int, float)) for v in initial.values())):
                 raise ValueError(f"initial_accuracy {initial!r} is not a mapping of numbers")
+            initial_heldout = {str(k): [float(x) for x in v] for k, v in state.get("initial_heldout", {}).items()}
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / 'state.json'}: malformed ({type(e).__name__}: {e})") from e
         self.step = state["step"]
         self.initial_accuracy = initial
+        self.initial_heldout = initial_heldout
         self.trainer.bad_steps = bad_steps
         self.carried = carried
         self.versions.restore(self.step, snapshots, inflight)
@@ -566,7 +571,8 @@ class RLRun:
 
             # A missing or damaged store is discarded inside load (history only accelerates).
             loaded = HistoryStore.load(ckpt / "history.json.gz",
-                                       tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer))
+                                       tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+                                       vocab_size=self.model.config.vocab_size)
             self.history.replace_with(loaded)
         return gate if isinstance(gate, list) else []
 
@@ -589,10 +595,12 @@ class RLRun:
         r = self.cfg.rollout
         greedy = evaluate(self.rollout, self.val_rows, self.rewards, max_tokens=r.max_tokens)
         out = {"val/accuracy": greedy.accuracy}
+        self.last_heldout = {"greedy": greedy.per_prompt}
         if r.temperature > 0:
             sampled = evaluate(self.rollout, self.val_rows, self.rewards, max_tokens=r.max_tokens,
                                temperature=r.temperature, n=4, seed=self.cfg.seed + 7)
             out["val/accuracy_sampled"] = sampled.accuracy
+            self.last_heldout["sampled"] = sampled.per_prompt
         return out
 
     # --- the run ---------------------------------------------------------------------------------
@@ -629,6 +637,7 @@ class RLRun:
                 fsync_file(self.run_dir / log_file)
         save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self._save_trainer_state,
                         {"loader": self.loader.state_dict(), "initial_accuracy": self.initial_accuracy,
+                         "initial_heldout": self.initial_heldout,
                          "world_size": cfg.trainer.world_size, "strategy": cfg.trainer.strategy,
                          "inflight": self.versions.inflight_state(),
                          "bad_steps": self.trainer.bad_steps,
@@ -641,10 +650,11 @@ class RLRun:
         t0 = time.perf_counter()
         if self.initial_accuracy is None and self.val_rows:
             self.initial_accuracy = self.evaluate()
+            self.initial_heldout = dict(self.last_heldout)
             self.metrics.log(0, {**self.initial_accuracy, **self.dropped_rows})
         last_val = float("nan")
-        bar = tqdm(range(self.step + 1, cfg.trainer.steps + 1), desc="rl", disable=not self.progress,
-                   initial=self.step, total=cfg.trainer.steps)
+        bar = progress(range(self.step + 1, cfg.trainer.steps + 1), desc="rl", enabled=self.progress,
+                       initial=self.step, total=cfg.trainer.steps)
         for step in bar:
             m = self.train_step(step)
             if self.val_rows and (_every(step, cfg.trainer.eval_every) or step == cfg.trainer.steps):
@@ -662,7 +672,8 @@ class RLRun:
         bar.close()
         self.metrics.close()
         plots = plot_run(self.run_dir)
-        summary = summarize(self.run_dir, self.initial_accuracy, time.perf_counter() - t0)
+        summary = summarize(self.run_dir, self.initial_accuracy, time.perf_counter() - t0,
+                            (self.initial_heldout, self.last_heldout))
         summary["plots"] = [str(p) for p in plots]
         summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

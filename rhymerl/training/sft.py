@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from rhymerl.config import RunConfig
 from rhymerl.data.splits import task_splits
@@ -22,6 +21,7 @@ from rhymerl.device import resolve_device
 from rhymerl.llm import LLM
 from rhymerl.atomic_io import atomic_write_text
 from rhymerl.model import CausalLM, ModelConfig, save_pretrained
+from rhymerl.progress import progress as progress_bar
 from rhymerl.rewards import RewardRegistry
 from rhymerl.tasks import get_task
 from rhymerl.tokenizer import build_char_tokenizer
@@ -115,7 +115,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
                             betas=(0.9, 0.98))
     steps, bs = cfg.sft.steps, cfg.sft.batch_size
     order: list[list[int]] = []
-    bar = tqdm(range(steps), desc="sft", disable=not progress)
+    bar = progress_bar(range(steps), desc="sft", total=steps, enabled=progress)
     loss_ema, done_steps, stopped_early = None, 0, False
     for step in bar:
         if time.time() - t_start > cfg.sft.max_minutes * 60:

@@ -4,11 +4,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rhymerl.engine.llm_engine import accepted_per_forward
 from rhymerl.training.metrics import read_metrics
 
 
-def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float) -> dict[str, Any]:
+def paired_gain(before: list[float], after: list[float], *, reps: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Held-out accuracy before and after on the same prompts, the gain, and its 95 % interval
+    from a paired bootstrap over prompts (each resample takes a prompt's before and after together)."""
+    b, a = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+    diff = a - b
+    idx = np.random.default_rng(seed).integers(0, len(diff), size=(reps, len(diff)))
+    boot = diff[idx].mean(axis=1)
+    return {"before": float(b.mean()), "after": float(a.mean()), "delta": float(diff.mean()),
+            "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "n": int(len(diff))}
+
+
+def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float,
+              heldout: tuple[dict[str, list[float]], dict[str, list[float]]] | None = None) -> dict[str, Any]:
+    """The run's summary; ``heldout``: per-prompt held-out scores (greedy, sampled) before and after."""
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
     vals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r]
     if not rows:
@@ -32,20 +47,22 @@ def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float) ->
                                                           total("spec/decode_tokens") - total("spec/decode_rows")),
         "spec_forwards_per_token": total("spec/decode_rows") / max(1.0, total("spec/decode_tokens")),
         "final_score": rows[-1]["critic/score/mean"],
+        "heldout": {kind: paired_gain(heldout[0][kind], heldout[1][kind]) for kind in ("greedy", "sampled")
+                    if heldout and kind in heldout[0] and kind in heldout[1]
+                    and len(heldout[0][kind]) == len(heldout[1][kind]) > 0},
     }
 
 
 def print_summary(s: dict[str, Any], run_dir: Path) -> None:
     if not s:
         return
-    b, a = s["accuracy_before"], s["accuracy_after"]
     print(f"\nrun: {run_dir}  ({s['steps']} steps, {s['wall_s']:.0f}s)")
-    if b is not None and a is not None:
-        print(f"held-out greedy accuracy: {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f} points)")
-    sb, sa = s.get("sampled_accuracy_before"), s.get("sampled_accuracy_after")
-    if sb is not None and sa is not None:
-        print(f"held-out sampled accuracy (avg@4 at the rollout temperature): {100 * sb:.1f}% -> {100 * sa:.1f}% "
-              f"({100 * (sa - sb):+.1f} points)")
+    for kind, what in (("greedy", "greedy accuracy"), ("sampled", "sampled accuracy (avg@4)")):
+        h = s.get("heldout", {}).get(kind)
+        if h:
+            lo, hi = h["ci95"]
+            print(f"held-out {what}: {100 * h['before']:.1f}% -> {100 * h['after']:.1f}% "
+                  f"({100 * h['delta']:+.1f}, 95% CI {100 * lo:+.1f}..{100 * hi:+.1f}, {h['n']} prompts)")
     print("time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["time_split"].items()))
     print(f"speculation: {s['spec_accepted_per_forward']:.2f} tokens per sequence per forward "
           f"(= {1 / max(s['spec_forwards_per_token'], 1e-9):.2f}x fewer target forwards per token); "
