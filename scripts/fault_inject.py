@@ -161,6 +161,10 @@ FAULT_TESTS = {
     "torn JSONL, empty/missing config, damaged checkpoint, malformed history": [
         "tests/test_hardening.py", "-k", "torn or config_is_not or damaged or malformed or first_checkpoint"],
     "Ray refuses clients without the cluster's token": ["tests/test_hardening.py", "-k", "ray"],
+    "resume: a changed/added/missing file, a pickle in the folder, changed inputs, each piece restored":
+        ["tests/test_resume.py"],
+    "a stopped worker, a worker never built, ranks asking for a missing GPU, an insecure cluster":
+        ["tests/test_bounds.py"],
 }
 
 
