@@ -101,38 +101,31 @@ def test_a_hanging_reward_scores_zero_and_the_run_goes_on(base_model, tmp_path):
     assert all(r["reward/errors"] == 0 for r in steps)
 
 
-def test_a_reward_failing_on_every_row_stops_the_run_naming_it(base_model, tmp_path):
+@pytest.mark.parametrize("name, body, says", [
+    ("typo", "return flaot(1)", r"'compute_score'.*typo\.py.*NameError.*flaot"),
+    ("nan", "return float('nan')", r"'compute_score'.*nan\.py.*non-finite"),  # NaN turned advantages into NaN
+])
+def test_a_reward_failing_on_every_row_stops_the_run_naming_it(base_model, tmp_path, name, body, says):
     from rhymerl.training.rl import RewardFunctionError, train
 
-    f = tmp_path / "typo.py"
-    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                 "    return flaot(1)\n")
+    f = tmp_path / f"{name}.py"
+    f.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")
     data = _jsonl(tmp_path / "train.jsonl", _arith_rows(6))
     ov = rl_overrides(base_model, tmp_path / "run") + [f"data.train_files=[{data}]", f"data.reward_file={f}",
                                                        "trainer.eval_every=100"]
-    with pytest.raises(RewardFunctionError, match=r"'compute_score'.*typo\.py.*NameError.*flaot"):
+    with pytest.raises(RewardFunctionError, match=says):
         train(load_config(None, ov), progress=False)
     assert latest_checkpoint(tmp_path / "run") is None  # nothing trained on all-zero rewards
 
 
-def test_non_finite_rewards_are_errors_and_everywhere_stop_the_run_naming_it(base_model, tmp_path):
+def test_a_non_finite_reward_is_an_error_scored_0_naming_the_function_and_row():
     from rhymerl.rewards import RewardRegistry
-    from rhymerl.training.rl import RewardFunctionError, train
 
     reg = RewardRegistry()
     for bad in (float("nan"), float("inf"), {"score": float("-inf")}):
         reg.register("d", lambda *a, _b=bad: _b, name="bad_fn")
         res = reg.score("d", "x", "1", where="prompt p sample 0")
         assert res.score == 0.0 and "non-finite" in res.error and "bad_fn" in res.error and "prompt p" in res.error
-    f = tmp_path / "nan.py"
-    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                 "    return float('nan')\n")
-    data = _jsonl(tmp_path / "train.jsonl", _arith_rows(6))
-    ov = rl_overrides(base_model, tmp_path / "run") + [f"data.train_files=[{data}]", f"data.reward_file={f}",
-                                                       "trainer.eval_every=100"]
-    with pytest.raises(RewardFunctionError, match=r"'compute_score'.*nan\.py.*non-finite"):
-        train(load_config(None, ov), progress=False)
-    assert latest_checkpoint(tmp_path / "run") is None
 
 
 # --- rows --------------------------------------------------------------------------------------

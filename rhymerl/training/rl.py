@@ -556,7 +556,10 @@ class RLRun:
             if initial is not None and not (isinstance(initial, dict) and all(
                     isinstance(v, (int, float)) for v in initial.values())):
                 raise ValueError(f"initial_accuracy {initial!r} is not a mapping of numbers")
-            initial_heldout = {str(k): [float(x) for x in v] for k, v in state.get("initial_heldout", {}).items()}
+            initial_heldout = state.get("initial_heldout", {})
+            if not isinstance(initial_heldout, dict) or not all(isinstance(v, list) for v in initial_heldout.values()):
+                raise ValueError(f"initial_heldout {initial_heldout!r} is not a mapping of lists")
+            initial_heldout = {str(k): [float(x) for x in v] for k, v in initial_heldout.items()}
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{ckpt / 'state.json'}: malformed ({type(e).__name__}: {e})") from e
         self.step = state["step"]
