@@ -181,6 +181,9 @@ class TrainerSection:
     minibatch_split: str = "auto"
     collective_timeout_s: float = 600.0  # a collective waiting longer fails on its rank
     rank_timeout_s: float = 3600.0  # a rank silent this long in one call stops the run
+    # Async RL: the longest the loop waits for the batch generating in the background (the
+    # workers inside it are bounded by rollout.worker_timeout_s; this bounds the whole rollout).
+    rollout_wait_s: float = 3600.0
 
 
 @dataclass
@@ -414,7 +417,7 @@ def _ranges() -> dict[str, tuple[str, Any]]:
             "rollout.worker_timeout_s", "reward.timeout_s", "reward.workers", "trainer.steps", "trainer.batch_prompts",
             "trainer.lr", "trainer.grad_clip", "trainer.ppo_epochs", "trainer.ppo_mini_batches",
             "trainer.micro_batch_size", "trainer.world_size", "trainer.collective_timeout_s",
-            "trainer.rank_timeout_s"]),
+            "trainer.rank_timeout_s", "trainer.rollout_wait_s"]),
         (">= 0", lambda v: v >= 0, [
             "seed", "data.num_val", "sft.warmup_steps", "sft.weight_decay", "sft.eval_prompts",
             "rollout.temperature", "rollout.speculative.reward_weight", "algorithm.clip_ratio_high",

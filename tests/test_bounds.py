@@ -126,3 +126,14 @@ def test_rank_zeros_rendezvous_store_listens_on_the_node_address_alone(base_mode
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_background_rollout_that_never_ends_stops_the_run_naming_it():
+    from rhymerl.training.policy_versions import PolicyVersions
+
+    versions = PolicyVersions(1, dict, lambda named: None, wait_s=1.0)
+    versions.launch(2, lambda: time.sleep(30))
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rollout of step 2 did not finish within 1s.*--resume"):
+        versions.take(2)
+    assert time.monotonic() - t < 5

@@ -56,8 +56,9 @@ class PolicyVersions:
     ``live`` returns the live weights (the policy's, an online draft head's too); ``send``
     loads weights into every rollout worker."""
 
-    def __init__(self, staleness: int, live: Callable[[], Weights], send: Callable[[Weights], None]) -> None:
-        self.staleness = staleness
+    def __init__(self, staleness: int, live: Callable[[], Weights], send: Callable[[Weights], None], *,
+                 wait_s: float = 3600.0) -> None:
+        self.staleness, self.wait_s = staleness, wait_s
         self._live, self._send = live, send
         self.current = 0  # updates applied to the live weights
         self.workers = 0  # the version the rollout workers hold
@@ -108,19 +109,23 @@ class PolicyVersions:
         self.inflight.start(rollout, *args)
 
     def take(self, step: int) -> ScoredRollout | None:
-        """Step ``step``'s batch if it was launched (waiting for it), else None."""
+        """Step ``step``'s batch if it was launched (waiting for it, bounded), else None."""
         if self.inflight is None:
             return None
         if self.inflight.step != step:
             raise RuntimeError(f"the batch in flight is step {self.inflight.step}'s, not step {step}'s")
+        self.settle()
         out, self.inflight = self.inflight.wait(), None
         return out
 
     def settle(self) -> None:
         """Let the batch in flight finish (its result is kept): before the workers are needed
-        for something else (evaluation) or the state is saved."""
+        for something else (evaluation) or the state is saved. Bounded by ``wait_s``."""
         if self.inflight is not None:
-            self.inflight.join()
+            self.inflight.join(self.wait_s)
+            if self.inflight.thread is not None and self.inflight.thread.is_alive():
+                raise RuntimeError(f"the rollout of step {self.inflight.step} did not finish within {self.wait_s:.0f}s "
+                                   "(trainer.rollout_wait_s); the run stops, resume it with --resume")
 
     def close(self, timeout: float) -> None:
         """Never stop the workers under a running rollout: wait for it (bounded)."""

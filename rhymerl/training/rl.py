@@ -134,7 +134,8 @@ class RLRun:
             self.rewards.close()  # nor reward or trainer processes
             self.trainer.close()
             raise
-        self.versions = PolicyVersions(cfg.trainer.async_staleness, self._named, self.rollout.pool.update_weights)
+        self.versions = PolicyVersions(cfg.trainer.async_staleness, self._named, self.rollout.pool.update_weights,
+                                       wait_s=cfg.trainer.rollout_wait_s)
         self.metrics = MetricsLogger(run_dir)
         # An update overlapping the rollout (async RL, a streamed update) keeps, in this
         # process, to the cores the workers leave (a fixed count: its numbers never follow timing).
