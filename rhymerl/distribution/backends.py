@@ -388,17 +388,17 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads
 
     if ray.is_initialized():
         return
-    why = ("Ray token authentication is off (RAY_AUTH_MODE={mode!r}): anyone who reaches the cluster's ports "
-           "can run code on it")
+    disabled = os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled"
 
     def refuse_or_warn() -> None:
-        text = why.format(mode=os.environ.get("RAY_AUTH_MODE", ""))
+        why = (f"Ray token authentication is off (RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '')!r}): anyone "
+               "who reaches the cluster's ports can run code on it")
         if not allow_insecure:
-            raise InsecureClusterError(f"{text}; turn it on (unset RAY_AUTH_MODE or set it to 'token'), or set "
+            raise InsecureClusterError(f"{why}; turn it on (unset RAY_AUTH_MODE or set it to 'token'), or set "
                                        "cluster.allow_insecure=true to run anyway")
-        log.warning("%s; running anyway (cluster.allow_insecure=true)", text)
+        log.warning("%s; running anyway (cluster.allow_insecure=true)", why)
 
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    if disabled:
         refuse_or_warn()  # before a local cluster opens its ports
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -407,8 +407,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
-    disabled_by_env = os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled"  # already refused or allowed
-    if get_authentication_mode() != AuthenticationMode.TOKEN and not disabled_by_env:
+    if not disabled and get_authentication_mode() != AuthenticationMode.TOKEN:
         try:
             refuse_or_warn()  # off some other way (Ray's own config): known only once connected
         except InsecureClusterError:

@@ -61,8 +61,10 @@ def run_inputs(cfg: RunConfig, base: Path) -> dict[str, str]:
     return {str(p.absolute()): digest(p) for p in paths if p.exists()}
 
 
-def record_inputs(run_dir: Path, cfg: RunConfig, base: Path) -> None:
-    atomic_write_text(run_dir / INPUTS, json.dumps(run_inputs(cfg, base), indent=1, sort_keys=True) + "\n")
+def record_inputs(run_dir: Path, cfg: RunConfig, base: Path, inputs: dict[str, str] | None = None) -> None:
+    """Write ``inputs.json`` (``inputs``: digests already computed by :func:`run_inputs`)."""
+    inputs = run_inputs(cfg, base) if inputs is None else inputs
+    atomic_write_text(run_dir / INPUTS, json.dumps(inputs, indent=1, sort_keys=True) + "\n")
 
 
 def check_inputs(run_dir: Path, cfg: RunConfig, base: Path, *, accept_changes: bool = False) -> None:
@@ -90,4 +92,4 @@ def check_inputs(run_dir: Path, cfg: RunConfig, base: Path, *, accept_changes: b
         raise ConfigError(f"{name}: {why}; a resume would silently train another run. Restore it, or pass "
                           f"--accept-changed-inputs to continue anyway")
     if accept_changes:
-        record_inputs(run_dir, cfg, base)
+        record_inputs(run_dir, cfg, base, now)

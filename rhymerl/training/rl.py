@@ -131,7 +131,7 @@ class RLRun:
         try:
             self.rollout = build_coordinator(cfg, base, self._named(), tokenizer=self.tokenizer, history=self.history)
         except BaseException:
-            self.rewards.close()  # nor reward or trainer processes
+            self.rewards.close()  # no reward or trainer processes left behind either
             self.trainer.close()
             raise
         self.versions = PolicyVersions(cfg.trainer.async_staleness, self._named, self.rollout.pool.update_weights,
@@ -676,8 +676,7 @@ class RLRun:
         bar.close()
         self.metrics.close()
         plots = plot_run(self.run_dir)
-        summary = summarize(self.run_dir, self.initial_accuracy, time.perf_counter() - t0,
-                            (self.initial_heldout, self.last_heldout))
+        summary = summarize(self.run_dir, time.perf_counter() - t0, (self.initial_heldout, self.last_heldout))
         summary["plots"] = [str(p) for p in plots]
         summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -21,11 +21,10 @@ def paired_gain(before: list[float], after: list[float], *, reps: int = 2000, se
             "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "n": int(len(diff))}
 
 
-def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float,
-              heldout: tuple[dict[str, list[float]], dict[str, list[float]]] | None = None) -> dict[str, Any]:
+def summarize(run_dir: Path, wall_s: float,
+              heldout: tuple[dict[str, list[float]], dict[str, list[float]]]) -> dict[str, Any]:
     """The run's summary; ``heldout``: per-prompt held-out scores (greedy, sampled) before and after."""
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
-    vals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val/accuracy" in r]
     if not rows:
         return {}
 
@@ -35,10 +34,6 @@ def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float,
     steps_s = total("timing_s/step")
     return {
         "steps": len(rows),
-        "accuracy_before": (initial or {}).get("val/accuracy"),
-        "accuracy_after": vals[-1]["val/accuracy"] if vals else None,
-        "sampled_accuracy_before": (initial or {}).get("val/accuracy_sampled"),
-        "sampled_accuracy_after": vals[-1].get("val/accuracy_sampled") if vals else None,
         "wall_s": wall_s,
         "time_split": {k.split("/")[1]: round(total(k) / steps_s, 3) for k in
                        ("timing_s/gen", "timing_s/reward", "timing_s/old_logp", "timing_s/update", "timing_s/sync")},
@@ -48,7 +43,7 @@ def summarize(run_dir: Path, initial: dict[str, float] | None, wall_s: float,
         "spec_forwards_per_token": total("spec/decode_rows") / max(1.0, total("spec/decode_tokens")),
         "final_score": rows[-1]["critic/score/mean"],
         "heldout": {kind: paired_gain(heldout[0][kind], heldout[1][kind]) for kind in ("greedy", "sampled")
-                    if heldout and kind in heldout[0] and kind in heldout[1]
+                    if kind in heldout[0] and kind in heldout[1]
                     and len(heldout[0][kind]) == len(heldout[1][kind]) > 0},
     }
 
