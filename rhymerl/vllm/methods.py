@@ -1,0 +1,63 @@
+"""Speculative methods on a vLLM engine, by name: what ``rollout.speculative.method`` means when
+``rollout.engine=vllm``. Each maps a :class:`rhymerl.drafting.SpecConfig` to vLLM's
+``speculative_config``. Pure data: importing this does not import vLLM."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable
+
+from rhymerl.drafting.config import SpecConfig
+
+PROPOSER = "rhymerl.vllm.HistoSpecProposer"
+
+# SpecConfig fields the HistoSpec proposer reads inside vLLM (sent in additional_config).
+_PROPOSER_FIELDS = ("sources", "max_draft", "length_policy", "min_prob", "pattern_max", "pattern_min",
+                    "history_epochs", "reward_weight", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def _history(c: SpecConfig) -> dict[str, Any]:
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": c.max_draft}
+
+
+def _ngram(c: SpecConfig) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": c.max_draft,
+            "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max}
+
+
+def _suffix(c: SpecConfig) -> dict[str, Any]:  # vLLM's own, backed by arctic-inference
+    return {"method": "suffix", "num_speculative_tokens": c.max_draft}
+
+
+def _draft_model(c: SpecConfig) -> dict[str, Any]:
+    if not c.draft_model:
+        raise ValueError("speculative.method=draft_model needs speculative.draft_model=PATH")
+    return {"method": "draft_model", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
+
+
+VLLM_METHODS: dict[str, Callable[[SpecConfig], dict[str, Any]]] = {
+    "history": _history,
+    "ngram": _ngram,
+    "suffix": _suffix,
+    "draft_model": _draft_model,
+}
+
+
+def get_vllm_method(name: str) -> Callable[[SpecConfig], dict[str, Any]]:
+    if name not in VLLM_METHODS:
+        raise ValueError(f"speculative.method {name!r} does not run on vLLM; valid there: "
+                         f"{['none'] + sorted(VLLM_METHODS)}")
+    return VLLM_METHODS[name]
+
+
+def vllm_speculative(cfg: SpecConfig | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """vLLM's ``speculative_config`` for ``cfg`` and what the HistoSpec proposer reads from
+    ``additional_config["rhymerl"]["speculative"]``; ``(None, {})`` without speculation.
+    What vLLM cannot verify is refused here, never dropped."""
+    if cfg is None or cfg.method == "none":
+        return None, {}
+    if cfg.tree_budget > 0:
+        raise ValueError(f"speculative.tree_budget={cfg.tree_budget}: vLLM verifies draft chains, not trees "
+                         "(set it to 0, or use rollout.engine=native)")
+    spec = get_vllm_method(cfg.method)(cfg)
+    extra = {k: v for k, v in asdict(cfg).items() if k in _PROPOSER_FIELDS} if spec.get("model") == PROPOSER else {}
+    return spec, extra
