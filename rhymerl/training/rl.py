@@ -50,7 +50,7 @@ from rhymerl.training.metrics import MetricsLogger, plot_run
 from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
 from rhymerl.training.policy_versions import InFlight, PolicyVersions
 from rhymerl.training.sft import CARD, ensure_base_model, sft_output_dir
-from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, merge_counts, step_metrics
+from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, engine_logp_gap, merge_counts, step_metrics
 from rhymerl.training.summary import print_summary, summarize
 from rhymerl.training.trainer import Experience, PolicyTrainer, Trainer
 
@@ -186,7 +186,7 @@ class RLRun:
                                                seed=cfg.seed)
         return PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref, total_optimizer_steps=total,
                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                             draft_head=self.draft_head)
+                             draft_head=self.draft_head, check_rollout_logp=cfg.rollout.engine != "native")
 
     def _build_history(self):
         """The controller's history store (None when neither drafting nor HistoPipe reads it):
@@ -296,11 +296,19 @@ class RLRun:
         if not responses:
             log.warning("step %d: every group had equal rewards; no update", step)
             return UpdateResult()
+        # The engine's sampling log-probs: async RL corrects by them; on-policy, another engine's
+        # are compared with the trainer's (a failed weight sync or a numerics gap shows there).
+        on_policy_check = not self.versions.asynchronous and self.cfg.rollout.engine != "native"
         exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
-                               behaviour_logprobs=behaviour if self.versions.asynchronous else None)
+                               behaviour_logprobs=behaviour if self.versions.asynchronous or on_policy_check else None)
+        sampled = exp.behav_logp if on_policy_check else None
+        if on_policy_check:
+            exp.behav_logp = None  # on-policy: no correction
         # Beside an async rollout, on the cores its worker leaves (update_threads; 0 keeps every core).
         with torch_threads(self.update_threads):
             res = self._advantages(exp, scores, [len(r) for r in responses], groups, batch.version, step)
+            if sampled is not None:
+                res.metrics.update(engine_logp_gap(exp.old_logp, sampled, exp.response_mask))
             t = time.perf_counter()
             res.metrics.update(self.trainer.update(exp, step, self.cfg.seed))
             res.update_s = time.perf_counter() - t

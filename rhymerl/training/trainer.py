@@ -111,7 +111,8 @@ class PolicyTrainer:
                  ref_model: torch.nn.Module | None = None, total_optimizer_steps: int = 1,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, *,
                  rank: int = 0, world_size: int = 1,
-                 grad_sync: Callable[[bool], ContextManager[None]] | None = None, draft_head=None) -> None:
+                 grad_sync: Callable[[bool], ContextManager[None]] | None = None, draft_head=None,
+                 check_rollout_logp: bool = False) -> None:
         self.model, self.cfg, self.algo, self.device, self.ref = model, trainer, algo, device, ref_model
         self.rank, self.world_size = rank, world_size
         # grad_sync(last) wraps a micro-batch's backward: gradients are reduced across ranks
@@ -128,6 +129,8 @@ class PolicyTrainer:
         self.bad_steps = 0
         # A draft head trained online on this trainer's hidden states (DraftHeadTrainer), or None.
         self.draft_head = draft_head
+        # Old log-probs every step, needed or not: another engine's sampling log-probs are checked against them.
+        self.check_rollout_logp = check_rollout_logp
 
     def _token_logp(self, model: torch.nn.Module, ids: torch.Tensor, with_entropy: bool = False):
         raw = model(ids)[:, :-1].float()
@@ -156,7 +159,7 @@ class PolicyTrainer:
     def needs_old_logp(self) -> bool:
         """Old log-probs are needed by several updates per rollout, or by a KL in the reward."""
         return not self.single_update or (self.ref is not None and self.algo.use_kl_in_reward) \
-            or self.cfg.async_staleness > 0  # the proximal policy of decoupled PPO
+            or self.cfg.async_staleness > 0 or self.check_rollout_logp  # async: decoupled PPO's proximal policy
 
     @torch.no_grad()
     def compute_logps(self, exp: Experience) -> None:

