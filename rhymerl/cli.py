@@ -66,6 +66,17 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from rhymerl.bench.engine import run
 
         run(ns.json, quick=ns.quick)
+    elif ns.which == "spec" and ns.engine == "vllm":
+        from rhymerl.bench.vllm_spec import run
+
+        kw: dict = {k: getattr(ns, k) for k in ("model", "prompts") if getattr(ns, k)}
+        if ns.methods:
+            kw["methods"] = tuple(ns.methods.split(","))
+        if ns.temperatures:
+            kw["temperatures"] = tuple(float(t) for t in ns.temperatures.split(","))
+        if ns.epochs:
+            kw["epochs"] = max(int(e) for e in ns.epochs.split(","))
+        run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "spec":
         from rhymerl.bench.spec import run
 
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="\n".join(f"{name}: {what}" for name, what in BENCHES.items()))
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    b.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="spec: the engine the methods run in (vllm: ngram, suffix, history inside vLLM)")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
     b.add_argument("--prompts", type=int, help="spec: how many prompts (default 32)")
     b.add_argument("--gate", choices=["both", "on", "off"], default="both",

@@ -356,8 +356,9 @@ def _validate_speculative(cfg: RunConfig) -> None:
         _validate_vllm(cfg)
     elif sp.method != "none" and sp.method not in METHODS:
         raise ConfigError(f"rollout.speculative.method: {sp.method!r} is not one of {['none'] + sorted(METHODS)}")
-    if sp.length_policy not in POLICIES:
-        raise ConfigError(f"rollout.speculative.length_policy: {sp.length_policy!r} is not one of {sorted(POLICIES)}")
+    if sp.length_policy != "auto" and sp.length_policy not in POLICIES:
+        raise ConfigError(f"rollout.speculative.length_policy: {sp.length_policy!r} is not one of "
+                          f"{['auto'] + sorted(POLICIES)}")
     for name in sp.sources or []:
         if name not in SOURCES:
             raise ConfigError(f"rollout.speculative.sources: {name!r} is not one of {sorted(SOURCES)}")

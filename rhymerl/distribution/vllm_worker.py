@@ -208,7 +208,9 @@ class VllmRolloutWorker:
         self._stats = dict.fromkeys(ENGINE_COUNTERS, 0.0)
         if self.engine.speculative is not None and self.engine.speculative.get("method") == "custom_class":
             now = self.engine.proposer_counters()
-            stats.update({k: v - self._proposer_mark.get(k, 0) for k, v in now.items() if k != "accepted"})
+            delta = {k: v - self._proposer_mark.get(k, 0) for k, v in now.items() if k != "accepted"}
+            delta["draft_s"] = delta.pop("propose_s", 0.0)  # drafting time, spent inside vLLM's step
+            stats.update(delta)
             self._proposer_mark = now
         return WorkerReport(finished, running, waiting, stats)
 

@@ -15,7 +15,7 @@ class SpecConfig:
     sources: list[str] | None = None  # None: the method's own (registry names of rhymerl.drafting.SOURCES)
     max_draft: int = 16
     tree_budget: int = 0  # >0: tree drafts with up to this many nodes
-    length_policy: str = "additive"  # additive (paper) | multiplicative (release)
+    length_policy: str = "auto"  # auto (per engine) | additive (paper) | multiplicative (release) | longest
     min_prob: float = 0.1
     pattern_max: int = 7
     pattern_min: int = 3

