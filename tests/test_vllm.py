@@ -283,19 +283,21 @@ def test_a_sample_moved_mid_generation_keeps_its_tokens_and_logprobs(engines, ti
 
 @needs_vllm
 @pytest.mark.slow
-def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base, tmp_path, workers):
     """`rhymerl train rollout.engine=vllm`: HistoSpec drafts inside vLLM (tokens per forward > 1
     once a history exists) and every step samples with the weights the trainer just wrote
-    (the engine's log-probs match the trainer's)."""
+    (the engine's log-probs match the trainer's); with two engines HistoPipe places the groups."""
     from rhymerl.training.metrics import read_metrics
     from rhymerl.training.rl import train
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = tmp_path / "run"
-    train(load_config(None, rl_overrides(vllm_base, run) + VLLM_TINY + ["rollout.engine=vllm", "trainer.eval_every=0"]),
-          progress=False)
+    train(load_config(None, rl_overrides(vllm_base, run) + VLLM_TINY + [
+        "rollout.engine=vllm", "trainer.eval_every=0", f"rollout.workers={workers}"]), progress=False)
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["pipe/workers"] == workers for r in rows[1:])
     for r in rows[1:]:
         if "rollout/logp_gap_max" in r:
             assert r["rollout/logp_gap_max"] < 1e-3, r

