@@ -97,7 +97,16 @@ class VllmEngine:
         # every prompt is prefilled whole.
         chunked = {} if torch.cuda.is_available() else \
             {"enable_chunked_prefill": False, "max_num_batched_tokens": max(8192, max_model_len)}
+        # A weights-only folder (no tokenizer): vLLM runs on token ids, EOS from the model's config.
+        self._eos: list[int] = []
+        has_tokenizer = any((Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        if not has_tokenizer:
+            from rhymerl.model.config import ModelConfig
+
+            eos = ModelConfig.from_file(Path(model_path) / "config.json").eos_token_id
+            self._eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
         args = EngineArgs(model=str(model_path), max_model_len=max_model_len, max_num_seqs=max_num_seqs, **chunked,
+                          skip_tokenizer_init=not has_tokenizer,
                           dtype=dtype, seed=seed, enforce_eager=True, logprobs_mode="processed_logprobs",
                           speculative_config=spec, additional_config={"rhymerl": extra},
                           worker_extension_cls=EXTENSION, disable_log_stats=True)
@@ -130,7 +139,8 @@ class VllmEngine:
         if group is not None:
             extra["group"] = group
         vsp = VSP(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                  max_tokens=params.max_tokens - len(prefix), stop_token_ids=list(params.stop_token_ids),
+                  max_tokens=params.max_tokens - len(prefix),
+                  stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self._eos),
                   ignore_eos=params.ignore_eos, seed=sample_seed(seed, sample, len(prefix)), logprobs=0,
                   output_kind=RequestOutputKind.DELTA, extra_args=extra)
         self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids) + prefix}, vsp)
