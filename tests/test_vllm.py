@@ -50,6 +50,18 @@ def test_the_correction_expands_and_the_probe_catches_a_kernel_writing_into_a_co
     assert out.tolist() == [5, 5, 9, 9, 9, 7]  # replace_from read as replace_to
 
 
+def test_speculation_at_temperature_is_refused_where_a_worker_runs_the_uncorrected_sampler():
+    from rhymerl.vllm.engine import lossy_reason
+
+    spec = {"method": "ngram"}
+    assert lossy_reason(None, [sampler_fix.DISABLED]) is None  # no speculation: nothing to refuse
+    if torch.cuda.is_available():
+        pytest.skip("the wrong kernel is vLLM's CPU build's alone")
+    assert lossy_reason(spec, [sampler_fix.FIXED, sampler_fix.NOT_NEEDED]) is None
+    assert "#55005" in lossy_reason(spec, [sampler_fix.FIXED, sampler_fix.DISABLED])
+    assert "VLLM_PLUGINS" in lossy_reason(spec, [sampler_fix.UNKNOWN])
+
+
 def test_the_two_sample_test_rejects_a_shift_and_keeps_the_same_distribution():
     rng = random.Random(0)
     same = [[rng.choice([3, 4, 5, 6]) for _ in range(6)] for _ in range(1024)]

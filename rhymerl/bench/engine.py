@@ -14,6 +14,7 @@ much speculation can pay on this machine.
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -177,6 +178,7 @@ def _fixed(name: str, batches: list[int], new_tokens: int, reps: int) -> list[di
         print_table(rows[-2:], COLS)
     if vllm is not None:
         vllm.close()
+    shutil.rmtree(d, ignore_errors=True)
     return rows
 
 

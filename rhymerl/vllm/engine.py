@@ -67,7 +67,7 @@ def import_vllm() -> None:
         raise
 
 
-def _cpu_env(max_num_seqs: int, max_model_len: int) -> None:
+def _cpu_env() -> None:
     """vLLM's CPU backend reserves 92 % of free memory for KV unless told a size in GiB."""
     if torch.cuda.is_available():
         return
@@ -84,7 +84,7 @@ class VllmEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        _cpu_env(max_num_seqs, max_model_len)
+        _cpu_env()
         check_model(model_path)
         spec, proposer_fields = vllm_speculative(speculative)
         extra: dict[str, Any] = {"speculative": proposer_fields}
@@ -226,7 +226,7 @@ def check_model(model_path: str | Path) -> None:
 
 def lossy_reason(spec: Mapping[str, Any] | None, statuses: list[str]) -> str | None:
     """Why speculation at temperature > 0 must be refused on this engine (None: it is safe)."""
-    if spec is None:
+    if spec is None or torch.cuda.is_available():  # the wrong kernel is the CPU build's alone
         return None
     bad = [s for s in statuses if s in (sampler_fix.DISABLED, sampler_fix.UNKNOWN)]
     if not bad:
