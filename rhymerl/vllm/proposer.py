@@ -92,9 +92,7 @@ class HistoSpecProposer:
         self.controller = SpecController(self.cfg, self.store)
         self.runner = runner if runner is not None else _find_runner()
         self._seqs: dict[str, Sequence] = {}
-        self._groups: dict[str, int] = {}
         self._last: tuple[list[Sequence], list[str], list[int]] | None = None  # rows drafted last step
-        self.drafted = self.accepted = self.steps = 0
         self.propose_s = 0.0  # time inside propose (vLLM's step waits for it)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -110,8 +108,9 @@ class HistoSpecProposer:
         self.controller.begin(step)
 
     def counters(self) -> dict[str, float]:
-        return {"drafted": self.drafted, "accepted": self.accepted, "propose_s": self.propose_s,
-                **self.controller.counters()}
+        c = self.controller
+        return {"drafted": sum(c.drafted_by_source.values()), "accepted": sum(c.accepted_by_source.values()),
+                "propose_s": self.propose_s, **c.counters()}
 
     # --- the per-step hook -----------------------------------------------------------------------
     def _sequence(self, req_id: str, row: int, tokens) -> Sequence:
@@ -121,8 +120,7 @@ class HistoSpecProposer:
         n_prompt = int(self.runner.input_batch.num_prompt_tokens[row])
         prompt = [int(t) for t in tokens[:n_prompt]]
         key = args.get("prompt_key") or prompt_hash_key(prompt)
-        group = args.get("group", key)
-        gid = self._groups.setdefault(group, len(self._groups))
+        gid = hash(args.get("group", key))  # siblings share it; unique among live requests
         max_tokens = sp.max_tokens if sp is not None and sp.max_tokens else self.max_model_len
         size = int(args.get("group_size", 1))
         seq = Sequence(gid, int(args.get("sample", 0)), prompt, SamplingParams(n=size, max_tokens=max_tokens),
@@ -165,7 +163,6 @@ class HistoSpecProposer:
         if new:
             self.controller.on_admit(new)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        self.steps += 1
         if not seqs:
             return out
         batch = self.controller.propose(seqs)
@@ -191,6 +188,4 @@ class HistoSpecProposer:
         self._last = None
         emitted = {rid: len(t) for rid, t in zip(req_ids, sampled_token_ids)}
         accepted = [min(d, max(0, emitted.get(rid, 1) - 1)) if d else 0 for rid, d in zip(rids, drafted)]
-        self.drafted += sum(drafted)
-        self.accepted += sum(accepted)
         self.controller.observe(seqs, drafted, accepted)
