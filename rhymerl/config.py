@@ -65,12 +65,15 @@ class RewardSection:
 
 @dataclass
 class SFTSection:
-    steps: int = 1400
+    steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.01
     num_examples: int = 20000
+    # Share of the examples whose final answer line (`A:64`) is dropped, the working alone: a base
+    # that often leaves out the answer format the verifier reads; RL learns to give it.
+    unanswered_share: float = 0.8
     eval_prompts: int = 200
     max_minutes: float = 4.0  # stop early (and say so) rather than overrun the time budget
     output_dir: str = "checkpoints/sft-{task}-seed{seed}"
@@ -147,7 +150,7 @@ class AlgorithmSection:
 
 @dataclass
 class TrainerSection:
-    steps: int = 150
+    steps: int = 80
     batch_prompts: int = 32
     lr: float = 2e-4
     warmup_steps: int = 0
@@ -459,7 +462,8 @@ def _ranges() -> dict[str, tuple[str, Any]]:
                                     "algorithm.is_cap"]),
         ("> 1 (dual-clip)", lambda v: v > 1, ["algorithm.clip_ratio_c"]),
         ("in (0, 1]", lambda v: 0 < v <= 1, ["rollout.top_p"]),
-        ("in [0, 1]", lambda v: 0 <= v <= 1, ["rollout.speculative.min_prob", "rollout.tail_fraction"]),
+        ("in [0, 1]", lambda v: 0 <= v <= 1, ["rollout.speculative.min_prob", "rollout.tail_fraction",
+                                                "sft.unanswered_share"]),
         ("in [0, 1)", lambda v: 0 <= v < 1, ["algorithm.clip_ratio_low"]),
         ("-1 (off) or >= 1", lambda v: v == -1 or v >= 1, ["rollout.top_k"]),
     ]

@@ -148,6 +148,30 @@ def test_sft_is_seeded_and_writes_hf_folder(tmp_path):
         assert (hf(x).logits - ours(x)).abs().max() < 1e-4
 
 
+def test_sft_leaves_the_answer_line_out_of_its_share_of_examples():
+    """The main job's base: worked solutions, a share without the final answer line the verifier
+    reads (RL then has a reward to earn); the problems drawn do not depend on the share."""
+    import random
+
+    from rhymerl.config import SFTSection
+    from rhymerl.tasks import get_task
+    from rhymerl.training.sft import sft_examples
+
+    task = get_task("arith")
+
+    def draw(share: float) -> list[tuple[str, str]]:
+        return sft_examples(task, SFTSection(num_examples=2000, unanswered_share=share), random.Random(0),
+                            random.Random(1), exclude={"Q:1+2\n"})
+
+    full, mixed = draw(0.0), draw(0.8)
+    assert [p for p, _ in full] == [p for p, _ in mixed] and "Q:1+2\n" not in {p for p, _ in full}
+    assert all(task.score(r, str(eval(p[2:]))) == 1.0 for p, r in full)
+    dropped = [(r, f) for (_, r), (_, f) in zip(mixed, full) if r != f]
+    assert 0.75 < len(dropped) / len(mixed) < 0.85
+    assert all(f == r + "\n" + f.splitlines()[-1] and task.score(r, "0") == 0.0 and "A:" not in r
+               for r, f in dropped)
+
+
 def _runtime_imports(tree) -> set[str]:
     """The ``rhymerl`` modules a module's code imports (lazily too), ``if TYPE_CHECKING:``
     blocks aside (annotations only, never run)."""

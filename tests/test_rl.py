@@ -368,7 +368,7 @@ def test_async_rl_is_reproducible_and_resumes_exactly_with_a_batch_in_flight(bas
 
 
 def test_the_heldout_gain_carries_a_paired_bootstrap_interval(capsys, tmp_path):
-    from rhymerl.training.summary import paired_gain, print_summary
+    from rhymerl.training.summary import paired_gain, print_summary, reward_rise
 
     before = [0.0] * 60 + [1.0] * 40
     after = [1.0] * 30 + [0.0] * 30 + [1.0] * 40  # +30 points on the same prompts
@@ -378,6 +378,11 @@ def test_the_heldout_gain_carries_a_paired_bootstrap_interval(capsys, tmp_path):
     assert 0.2 < lo < 0.3 < hi < 0.4  # paired: the 40 prompts right in both add no noise
     noise = paired_gain([0.0, 1.0] * 50, [1.0, 0.0] * 50)  # same accuracy, every prompt flipped
     assert noise["delta"] == 0 and noise["ci95"][0] < -0.15 and noise["ci95"][1] > 0.15
+    rise = reward_rise([0.125] * 20 + [0.875] * 40 + [0.375] * 20)  # exact in binary
+    assert (rise["window"], rise["first"], rise["last"]) == (20, 0.125, 0.375) and rise["rise"] == 0.25
+    assert reward_rise([0.0, 1.0, 1.0, 1.0])["window"] == 1  # a short run: a quarter of it
     print_summary({"steps": 1, "wall_s": 1.0, "time_split": {}, "spec_accepted_per_forward": 1.0,
-                   "spec_forwards_per_token": 1.0, "heldout": {"greedy": g}}, tmp_path)
-    assert "held-out greedy accuracy: 40.0% -> 70.0% (+30.0, 95% CI +" in capsys.readouterr().out
+                   "spec_forwards_per_token": 1.0, "heldout": {"greedy": g}, "train_reward": rise}, tmp_path)
+    out = capsys.readouterr().out
+    assert "held-out greedy accuracy: 40.0% -> 70.0% (+30.0, 95% CI +" in out
+    assert "train reward (mean of the first/last 20 steps): 0.12 -> 0.38 (+0.25)" in out

@@ -29,6 +29,10 @@ class Task(ABC):
     def score(self, response: str, ground_truth: str) -> float:
         """1.0 if the response's final answer is verified correct, else 0.0."""
 
+    def unanswered_solution(self, problem: Problem) -> str:
+        """The working without the final answer line the verifier reads (SFT's unanswered examples)."""
+        return "\n".join(problem.solution.splitlines()[:-1])
+
     @property
     def data_source(self) -> str:
         return f"rhymerl/{self.name}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rhymerl.config import RunConfig
+from rhymerl.config import RunConfig, SFTSection
 from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_device
 from rhymerl.llm import LLM
@@ -23,7 +23,7 @@ from rhymerl.atomic_io import atomic_write_text
 from rhymerl.model import CausalLM, ModelConfig, save_pretrained
 from rhymerl.progress import progress as progress_bar
 from rhymerl.rewards import RewardRegistry
-from rhymerl.tasks import get_task
+from rhymerl.tasks import Task, get_task
 from rhymerl.tokenizer import build_char_tokenizer
 from rhymerl.training.evaluate import evaluate
 
@@ -58,6 +58,10 @@ def print_card(card: dict, out: Path) -> None:
     print(f"held-out greedy accuracy: {100 * card['heldout_greedy_accuracy']:.1f}% on "
           f"{card['heldout_prompts']} prompts; response length min/median/max "
           f"{ls['min']}/{ls['median']:.0f}/{ls['max']}")
+    share = card["config"]["sft"].get("unanswered_share", 0.0)
+    if share:
+        print(f"(its SFT examples left the final answer line out {100 * share:.0f}% of the time, so it rarely "
+              f"gives one: RL has to learn to)")
 
 
 def lr_at(step: int, total: int, warmup: int, base: float) -> float:
@@ -77,6 +81,21 @@ def _length_bucketed_batches(examples: list[tuple[list[int], int]], bs: int,
         batches += [window[j: j + bs] for j in range(0, len(window) - bs + 1, bs)]
     rng.shuffle(batches)
     return batches
+
+
+def sft_examples(task: Task, sft: SFTSection, rng: random.Random, mix: random.Random,
+                 exclude: set[str]) -> list[tuple[str, str]]:
+    """(prompt, response) pairs: worked solutions of problems drawn with ``rng`` and not in
+    ``exclude`` (the held-out prompts), a share ``sft.unanswered_share`` of them (drawn with
+    ``mix``, so the problems do not depend on the share) without their final answer line."""
+    out: list[tuple[str, str]] = []
+    while len(out) < sft.num_examples:
+        p = task.make_problem(rng)
+        if p.prompt in exclude:
+            continue
+        unanswered = sft.unanswered_share > 0 and mix.random() < sft.unanswered_share
+        out.append((p.prompt, task.unanswered_solution(p) if unanswered else p.solution))
+    return out
 
 
 def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool = True) -> dict:
@@ -100,16 +119,10 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     model.to(device).train()
 
     _, val = task_splits(cfg.data, cfg.seed)
-    held_out = {str(r.prompt) for r in val}
-    rng = random.Random(cfg.seed)
-    examples: list[tuple[list[int], int]] = []
-    while len(examples) < cfg.sft.num_examples:
-        p = task.make_problem(rng)
-        if p.prompt in held_out:
-            continue
-        prompt_ids = tok.encode(p.prompt, add_special_tokens=False)
-        resp_ids = tok.encode(p.solution, add_special_tokens=False) + [tok.eos_token_id]
-        examples.append((prompt_ids + resp_ids, len(prompt_ids)))
+    rng = random.Random(cfg.seed)  # the problems, then the batch order
+    pairs = sft_examples(task, cfg.sft, rng, random.Random(cfg.seed + 1), exclude={str(r.prompt) for r in val})
+    examples = [(tok.encode(p, add_special_tokens=False), tok.encode(r, add_special_tokens=False)) for p, r in pairs]
+    examples = [(p + r + [tok.eos_token_id], len(p)) for p, r in examples]
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay,
                             betas=(0.9, 0.98))

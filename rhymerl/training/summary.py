@@ -21,6 +21,13 @@ def paired_gain(before: list[float], after: list[float], *, reps: int = 2000, se
             "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "n": int(len(diff))}
 
 
+def reward_rise(scores: list[float], window: int = 20) -> dict[str, float]:
+    """Mean training reward of the first and the last ``window`` steps (a quarter of a shorter run)."""
+    w = max(1, min(window, len(scores) // 4))
+    first, last = float(np.mean(scores[:w])), float(np.mean(scores[-w:]))
+    return {"first": first, "last": last, "rise": last - first, "window": w}
+
+
 def summarize(run_dir: Path, wall_s: float,
               heldout: tuple[dict[str, list[float]], dict[str, list[float]]]) -> dict[str, Any]:
     """The run's summary; ``heldout``: per-prompt held-out scores (greedy, sampled) before and after."""
@@ -42,6 +49,7 @@ def summarize(run_dir: Path, wall_s: float,
                                                           total("spec/decode_tokens") - total("spec/decode_rows")),
         "spec_forwards_per_token": total("spec/decode_rows") / max(1.0, total("spec/decode_tokens")),
         "final_score": rows[-1]["critic/score/mean"],
+        "train_reward": reward_rise([r["critic/score/mean"] for r in rows]),
         "heldout": {kind: paired_gain(heldout[0][kind], heldout[1][kind]) for kind in ("greedy", "sampled")
                     if kind in heldout[0] and kind in heldout[1]
                     and len(heldout[0][kind]) == len(heldout[1][kind]) > 0},
@@ -58,6 +66,10 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
             lo, hi = h["ci95"]
             print(f"held-out {what}: {100 * h['before']:.1f}% -> {100 * h['after']:.1f}% "
                   f"({100 * h['delta']:+.1f}, 95% CI {100 * lo:+.1f}..{100 * hi:+.1f}, {h['n']} prompts)")
+    tr = s.get("train_reward")
+    if tr:
+        print(f"train reward (mean of the first/last {tr['window']} steps): {tr['first']:.2f} -> {tr['last']:.2f} "
+              f"({tr['rise']:+.2f})")
     print("time split: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["time_split"].items()))
     print(f"speculation: {s['spec_accepted_per_forward']:.2f} tokens per sequence per forward "
           f"(= {1 / max(s['spec_forwards_per_token'], 1e-9):.2f}x fewer target forwards per token); "
