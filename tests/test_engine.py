@@ -59,6 +59,21 @@ def test_stop_tokens_and_limits(model):
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
 
 
+def test_a_request_ended_by_its_first_token_is_returned_by_that_step(model):
+    """A sample that stops at prefill (its first token is a stop token, or max_tokens=1) is
+    returned by the step that ended it: the rollout workers report finished work from the steps'
+    returns, so a request missing there waits forever (a rollout hung this way)."""
+    llm = LLM(model, max_num_seqs=4, max_model_len=16)
+    first = naive_greedy(model, PROMPTS[0], 1)[0]
+    eng = llm.engine
+    for sp in (SamplingParams(temperature=0, max_tokens=1), SamplingParams(temperature=0, max_tokens=8,
+                                                                           stop_token_ids=[first])):
+        rid = eng.add_request(list(PROMPTS[0]), sp, 0, None)
+        done = eng.step()
+        assert [o.request_id for o in done] == [rid] and not eng.has_unfinished()
+        assert eng.pop_request(rid).outputs[0].token_ids == [first]
+
+
 def test_overlong_prompt_fails_alone(model):
     llm = LLM(model, max_num_seqs=4, max_model_len=16)
     outs = llm.generate([[1] * 20, PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),

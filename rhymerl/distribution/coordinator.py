@@ -216,6 +216,7 @@ class _StepRun:
                     self.lose(h, str(e))
                     continue
                 self.absorb(h, rep)
+                self.check_accounted(h, rep)
                 if co.on_report is not None:
                     co.on_report(h, rep)
                 if h.alive:
@@ -282,6 +283,14 @@ class _StepRun:
                 self.done_samples += 1
             if len(self.results[p]) == self.need[p]:
                 self.finish(p)
+
+    def check_accounted(self, h: WorkerHandle, rep: WorkerReport) -> None:
+        """A worker that holds none of the samples recorded on it has lost them: a bookkeeping bug,
+        raised rather than kicking the worker forever."""
+        if self.outstanding[h.index] > 0 and not rep.running and not rep.waiting and not self.pending[h.index]:
+            lost = sorted((p, s) for (p, s), w in self.where.items() if w == h.index)
+            raise RuntimeError(f"rollout stalled: worker {h.index} holds no unfinished sample, but "
+                               f"{self.outstanding[h.index]} are recorded on it (prompt, sample): {lost}")
 
     def finish(self, p: int) -> None:
         r = self.requests[p]

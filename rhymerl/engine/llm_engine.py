@@ -144,7 +144,7 @@ class LLMEngine:
         Returns the requests that finished in this step.
         """
         t0 = time.perf_counter()
-        finished: list[Sequence] = []
+        retired: list[Sequence] = []  # this step's finished sequences, at prefill or in the decode
         groups = self.scheduler.admit()
         if groups:
             self.runner.prefill(groups, self._cached_prompts(groups))
@@ -153,11 +153,12 @@ class LLMEngine:
                 self.proposer.on_admit([s for g in groups for s in g])
             new = [s for g in groups for s in g if not s.resumed]
             self.stats.generated += len(new)
-            finished += [s for s in new if self._check_stop(s, 1)]
-            self._retire(finished)
-            finished = []
+            stopped = [s for s in new if self._check_stop(s, 1)]  # the first token ended it
+            self._retire(stopped)
+            retired += stopped
         running = self.scheduler.running
         if running:
+            finished: list[Sequence] = []
             drafts = None
             td = time.perf_counter()
             if self.proposer is not None:
@@ -184,9 +185,10 @@ class LLMEngine:
                 self.proposer.observe(running, res.drafted, res.accepted)
                 self.proposer.observe_time(B, width, time.perf_counter() - td)  # drafting + forward + verification
             self._retire(finished)
+            retired += finished
         self.stats.step_s += time.perf_counter() - t0
         done = []
-        for rid in {s.request_id for s in finished}:
+        for rid in {s.request_id for s in retired}:
             if self.requests[rid].finished:
                 done.append(self.requests[rid])
         return done
