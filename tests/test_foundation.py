@@ -172,6 +172,28 @@ def test_sft_leaves_the_answer_line_out_of_its_share_of_examples():
                for r, f in dropped)
 
 
+def test_a_reused_base_trained_with_other_settings_is_named(tmp_path, capsys):
+    """`rhymerl train` reuses the task's base folder; one trained with other SFT or model settings
+    (an older recipe's) is named in a warning, key by key, rather than used silently."""
+    import json
+
+    from rhymerl.training.sft import CARD, ensure_base_model
+
+    cfg = load_config(None, [f"sft.output_dir={tmp_path}/base"])
+    (tmp_path / "base").mkdir()
+    card = {"heldout_greedy_accuracy": 0.5, "config": {"sft": {**vars(cfg.sft), "steps": 1400},
+                                                       "model": vars(cfg.model)}}
+    del card["config"]["sft"]["unanswered_share"]  # written before the key existed
+    (tmp_path / "base" / CARD).write_text(json.dumps(card))
+    assert ensure_base_model(cfg) == tmp_path / "base"
+    out = capsys.readouterr().out
+    assert "sft.steps: 1400 -> 1000" in out and "sft.unanswered_share: 0.0 -> 0.8" in out
+    card["config"]["sft"] = vars(cfg.sft)
+    (tmp_path / "base" / CARD).write_text(json.dumps(card))
+    ensure_base_model(cfg)
+    assert "warning" not in capsys.readouterr().out
+
+
 def _runtime_imports(tree) -> set[str]:
     """The ``rhymerl`` modules a module's code imports (lazily too), ``if TYPE_CHECKING:``
     blocks aside (annotations only, never run)."""

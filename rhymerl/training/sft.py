@@ -182,6 +182,25 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     return card
 
 
+# What a card written before a setting existed was trained with.
+_BEFORE_THE_KEY = {"sft.unanswered_share": 0.0}
+_NOT_COMPARED = {"sft.output_dir", "sft.max_minutes", "model.path", "model.device", "model.dtype"}
+
+
+def stale_keys(card: dict, cfg: RunConfig) -> list[str]:
+    """``section.key: was -> now`` for each SFT or model setting the card's base was trained with
+    that the config now sets otherwise (where it is written, and on what, aside)."""
+    out = []
+    for section, now in (("sft", vars(cfg.sft)), ("model", vars(cfg.model))):
+        was = card.get("config", {}).get(section, {})
+        for k, v in now.items():
+            key = f"{section}.{k}"
+            old = was.get(k, _BEFORE_THE_KEY.get(key, v))
+            if key not in _NOT_COMPARED and old != v:
+                out.append(f"{key}: {old} -> {v}")
+    return out
+
+
 def ensure_base_model(cfg: RunConfig) -> Path:
     """The policy to start from: ``model.path``, or the task's SFT base (trained if missing)."""
     if cfg.model.path:
@@ -192,6 +211,10 @@ def ensure_base_model(cfg: RunConfig) -> Path:
         card = json.loads(card_path.read_text())
         print(f"base model: reusing {out} (held-out greedy accuracy "
               f"{100 * card['heldout_greedy_accuracy']:.1f}%)")
+        changed = stale_keys(card, cfg)
+        if changed:
+            print(f"base model: warning: {out} was trained with other settings ({', '.join(changed)}); "
+                  f"delete it, or set sft.output_dir, to train one with these")
         return out
     print(f"base model: none at {out}; training it from scratch (rhymerl sft)")
     print_card(run_sft(cfg, out), out)
