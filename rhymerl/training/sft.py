@@ -121,8 +121,10 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     _, val = task_splits(cfg.data, cfg.seed)
     rng = random.Random(cfg.seed)  # the problems, then the batch order
     pairs = sft_examples(task, cfg.sft, rng, random.Random(cfg.seed + 1), exclude={str(r.prompt) for r in val})
-    examples = [(tok.encode(p, add_special_tokens=False), tok.encode(r, add_special_tokens=False)) for p, r in pairs]
-    examples = [(p + r + [tok.eos_token_id], len(p)) for p, r in examples]
+    examples: list[tuple[list[int], int]] = []  # (prompt + response + EOS, prompt length)
+    for prompt, response in pairs:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        examples.append((ids + tok.encode(response, add_special_tokens=False) + [tok.eos_token_id], len(ids)))
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay,
                             betas=(0.9, 0.98))
