@@ -158,6 +158,21 @@ def test_length_policies():
     assert multiplicative(1, 1, 0) == 1
 
 
+@pytest.mark.parametrize("policy,first", [("additive", 2), ("multiplicative", 2), ("longest", 12)])
+def test_a_new_rows_first_draft_has_its_policys_start_length(policy, first):
+    """`longest` has no ramp: a row's first draft (the one right after prefill, a large share of
+    a short response) is as long as the history allows, not the ramps' start of 2."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.engine.sequence import Sequence
+
+    d = build_proposer(SpecConfig(sources=["prompt_history"], gate=False, length_policy=policy, max_draft=12))
+    d.store.add("k", [5, 6, 7], [list(range(1, 40))], step=1)
+    s = Sequence(0, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="k")
+    s.output_ids, s.limit = [1, 2, 3], 50
+    (draft,) = list(d.propose([s]))
+    assert draft.tokens == tuple(range(4, 4 + first))
+
+
 def test_gate_speculates_less_when_compute_bound():
     # cost grows with width at batch 64, barely at batch 1 (the shape measured on a CPU)
     table = {}

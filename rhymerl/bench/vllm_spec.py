@@ -70,6 +70,9 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
     past: dict[tuple, list] = {}  # (method, temperature, prompt key) -> its epochs' responses
     for temperature in temperatures:
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens)
+        for m, eng in engines.items():  # each temperature's epoch 1 starts without history
+            if METHODS[m].method == "history":
+                eng.put_history([(k, p, []) for k, p in zip(keys, ids)])
         for epoch in range(1, epochs + 1):
             seed = 1000 * epoch + int(temperature * 100)
             base, base_s = _epoch(plain, ids, keys, params, seed=seed + 7)  # another seed: an independent sample

@@ -111,6 +111,7 @@ class SpecController(Proposer):
             raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {['auto'] + sorted(POLICIES)}")
         self.policy, cap = POLICIES[policy]
         self.cap = min(cap, cfg.max_draft)
+        self.first = self.policy(0, 0, 0, cap=self.cap)  # a new row's draft length: the policy's start
         self.max_nodes = max(cfg.tree_budget, self.cap)
         for s in sources:
             self.max_nodes = max(self.max_nodes, s.max_nodes)
@@ -158,12 +159,12 @@ class SpecController(Proposer):
             return None
         B = len(seqs)
         t0 = time.perf_counter()
-        cap = choice.cap
+        cap, first = choice.cap, self.first
         # Each row's draft length within the cap and the room it has left (comparisons, not
         # min/max calls: this runs on every row of every drafting step).
         caps = [0 if room <= 0 else (d if d < room else room)
                 for s in seqs
-                for d, room in (((s.draft_len or 2) if (s.draft_len or 2) < cap else cap,
+                for d, room in (((s.draft_len or first) if (s.draft_len or first) < cap else cap,
                                  s.limit - len(s.output_ids) - 1),)]
         batch, names, probs = self._draft(seqs, caps, self._source_sets[choice.option], B.bit_length())
         lengths = batch.lengths if batch is not None else [0] * B
@@ -285,7 +286,7 @@ class SpecController(Proposer):
             succ += a
             fail += a < depth
             seq = seqs[b]
-            seq.draft_len = policy(seq.draft_len or 2, depth, a, cap=cap)
+            seq.draft_len = policy(seq.draft_len or self.first, depth, a, cap=cap)
         self.accepted_by_source.update(acc_by)
         self.drafted_by_source.update(drafted_by)
         self.gate.observe_drafts(len(seqs), succ, fail, len(seqs) + sum(accepted))
