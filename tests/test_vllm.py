@@ -295,18 +295,20 @@ def test_a_sample_moved_mid_generation_keeps_its_tokens_and_logprobs(engines, ti
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2])
-def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base, tmp_path, workers):
+@pytest.mark.parametrize("workers,backend", [(1, "local"), (2, "local"), (2, "ray")])
+def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base, tmp_path, workers, backend):
     """`rhymerl train rollout.engine=vllm`: HistoSpec drafts inside vLLM (tokens per forward > 1
     once a history exists) and every step samples with the weights the trainer just wrote
-    (the engine's log-probs match the trainer's); with two engines HistoPipe places the groups."""
+    (the engine's log-probs match the trainer's); with two engines (processes or Ray actors)
+    HistoPipe places the groups."""
     from rhymerl.training.metrics import read_metrics
     from rhymerl.training.rl import train
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run = tmp_path / "run"
     train(load_config(None, rl_overrides(vllm_base, run) + VLLM_TINY + [
-        "rollout.engine=vllm", "trainer.eval_every=0", f"rollout.workers={workers}"]), progress=False)
+        "rollout.engine=vllm", "trainer.eval_every=0", f"rollout.workers={workers}", f"rollout.backend={backend}"]),
+          progress=False)
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["pipe/workers"] == workers for r in rows[1:])
