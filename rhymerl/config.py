@@ -358,7 +358,10 @@ def _validate_speculative(cfg: RunConfig) -> None:
     if cfg.rollout.engine == "vllm":
         _validate_vllm(cfg)
     elif sp.method != "none" and sp.method not in METHODS:
-        raise ConfigError(f"rollout.speculative.method: {sp.method!r} is not one of {['none'] + sorted(METHODS)}")
+        from rhymerl.vllm.methods import VLLM_METHODS
+
+        where = " (it runs on rollout.engine=vllm)" if sp.method in VLLM_METHODS else ""
+        raise ConfigError(f"rollout.speculative.method: {sp.method!r} is not one of {['none'] + sorted(METHODS)}{where}")
     if sp.length_policy != "auto" and sp.length_policy not in POLICIES:
         raise ConfigError(f"rollout.speculative.length_policy: {sp.length_policy!r} is not one of "
                           f"{['auto'] + sorted(POLICIES)}")
@@ -368,8 +371,8 @@ def _validate_speculative(cfg: RunConfig) -> None:
     if sp.draft_model is not None and not Path(sp.draft_model).is_dir():
         raise ConfigError(f"rollout.speculative.draft_model: {sp.draft_model!r} is not a folder "
                           "(an HF model folder sharing the policy's tokenizer)")
-    if sp.method == "draft_model" and not sp.draft_model:
-        raise ConfigError("rollout.speculative.method=draft_model needs rollout.speculative.draft_model=PATH")
+    if sp.method in ("draft_model", "eagle3") and not sp.draft_model:
+        raise ConfigError(f"rollout.speculative.method={sp.method} needs rollout.speculative.draft_model=PATH")
     from rhymerl.drafting import trains_draft_head
 
     if trains_draft_head(sp) and cfg.trainer.world_size > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,10 +34,22 @@ ALPHA = 1e-3  # per comparison; the seeds are fixed, so a run either passes or f
     ("rollout.speculative.tree_budget=8", "tree_budget"),
     ("rollout.speculative.method=hybrid", "does not run on rollout.engine=vllm"),
     ("rollout.speculative.method=draft_head", "does not run on rollout.engine=vllm"),
+    ("rollout.speculative.method=eagle3", "eagle3 needs rollout.speculative.draft_model"),
 ])
 def test_what_vllm_cannot_do_is_refused_up_front(override, words):
     with pytest.raises(ConfigError, match=words):
         load_config(None, ["rollout.engine=vllm", override])
+
+
+def test_vllms_own_methods_configure_there_and_are_named_as_vllms_elsewhere(tmp_path):
+    """`suffix` and `eagle3` draft inside vLLM (no rhymerl source, no draft head to train); on the
+    native engine the error says where they run."""
+    for method in ("suffix", "eagle3"):
+        cfg = load_config(None, ["rollout.engine=vllm", f"rollout.speculative.method={method}",
+                                 f"rollout.speculative.draft_model={tmp_path}"])
+        assert cfg.rollout.speculative.method == method
+        with pytest.raises(ConfigError, match="runs on rollout.engine=vllm"):
+            load_config(None, [f"rollout.speculative.method={method}"])
 
 
 def test_the_correction_expands_and_the_probe_catches_a_kernel_writing_into_a_copy():
@@ -152,20 +165,29 @@ METHODS = {
     "history": SpecConfig(method="history", max_draft=6),
     "ngram": SpecConfig(method="ngram", max_draft=4, prompt_lookup_min=1, prompt_lookup_max=3),
     "draft_model": None,  # the base drafting for itself (built in the test: it needs the path)
+    "eagle3": None,  # a fresh Eagle3 head for the base (written in the test)
 }
+
+
+def _model_spec(method: str, path: str, tmp: Path) -> SpecConfig:
+    if method == "draft_model":
+        return SpecConfig(method="draft_model", draft_model=path, draft_max=3)
+    from rhymerl.vllm.eagle3 import write_head
+
+    return SpecConfig(method="eagle3", draft_model=str(write_head(path, tmp / "eagle3")), draft_max=3)
 
 
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))
-def test_speculation_in_vllm_samples_the_distribution_of_plain_decoding(engines, tiny, method):
+def test_speculation_in_vllm_samples_the_distribution_of_plain_decoding(engines, tiny, method, tmp_path):
     """512 samples per arm at each setting: the first drafted positions' tokens (chi-square),
     the response lengths and the rewards' stand-in agree with vLLM without speculation; and
     speculation did draft (more than one token per forward)."""
     path, prompts = tiny
     keys = [f"p{i}" for i in range(len(prompts))]
     plain = engines.get("plain")
-    spec = METHODS[method] or SpecConfig(method="draft_model", draft_model=path, draft_max=3)
+    spec = METHODS[method] or _model_spec(method, path, tmp_path)
     eng = engines.get(method, spec)
     for name, kw in SETTINGS.items():
         params = SamplingParams(n=SAMPLES, max_tokens=MAX_TOKENS, **kw)
@@ -258,6 +280,50 @@ def test_weights_synced_into_running_vllm_give_the_trainers_logprobs(engines, ti
                     assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4), (temperature, s.tokens)
                     stale = _model_logprobs(base, ids, s.tokens, temperature)
                     assert not torch.allclose(torch.tensor(s.logprobs), stale, atol=1e-3)
+    finally:
+        worker.update_weights(dict(base.named_parameters()))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_can_be_pushed(engines, tiny, tmp_path):
+    """vLLM's Eagle3 drafter reads the policy's embedding: after a policy sync it holds the new one
+    (the staleness RL users report when a drafter keeps a copy); the head's own weights are pushed
+    in place, leaving the policy's log-probs as they were."""
+    from rhymerl.distribution.vllm_worker import VllmRolloutWorker
+    from rhymerl.distribution.work import WorkerSpec
+    from rhymerl.model import load_pretrained
+    from rhymerl.model.config import ModelConfig
+    from rhymerl.vllm.eagle3 import head_weights
+
+    path, prompts = tiny
+    eng = engines.get("eagle3", _model_spec("eagle3", path, tmp_path))
+    worker = VllmRolloutWorker(WorkerSpec(path, engine="vllm"), engine=eng)
+    base, moved = load_pretrained(path), load_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    before = eng.draft_digest()
+    assert before["embed_is_policys"] and before["embed_equals_policys"]
+    embed = "model.embed_tokens.weight"
+    try:
+        worker.update_weights(dict(moved.named_parameters()))
+        after = eng.draft_digest()
+        assert after["embed_equals_policys"]
+        new_embed = float(moved.model.embed_tokens.weight.double().sum())
+        assert after["sums"][embed] == pytest.approx(new_embed, rel=1e-6) != pytest.approx(before["sums"][embed])
+        fresh = head_weights(ModelConfig.from_file(Path(path) / "config.json"), seed=5, std=0.05)
+        eng.load_draft_weights(fresh)
+        pushed = eng.draft_digest()["sums"]
+        assert pushed["model.fc.weight"] == pytest.approx(float(fresh["fc.weight"].double().sum()), rel=1e-5)
+        assert pushed["model.fc.weight"] != pytest.approx(after["sums"]["model.fc.weight"])
+        assert pushed[embed] == pytest.approx(new_embed, rel=1e-6)  # the push left the policy's embedding alone
+        got = eng.generate(prompts[:4], SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=1.0), list(range(4)),
+                           tag="eagle3-pushed")
+        for ids, group in zip(prompts[:4], got):
+            for s in group:
+                assert torch.allclose(torch.tensor(s.logprobs), _model_logprobs(moved, ids, s.tokens, 1.0), atol=1e-4)
     finally:
         worker.update_weights(dict(base.named_parameters()))
 

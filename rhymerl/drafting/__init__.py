@@ -26,8 +26,9 @@ def build_proposer(spec: SpecConfig | Mapping[str, Any], store: HistoryStore | N
 
 
 def source_names(cfg: SpecConfig) -> tuple[str, ...]:
-    """The draft sources a config uses (none for ``method: none``)."""
-    if cfg.method == "none":
+    """The draft sources a config uses: none for ``method: none`` and for a method another engine
+    drafts with itself (vLLM's ``suffix``, ``eagle3``: the config check names where each runs)."""
+    if cfg.method == "none" or (cfg.sources is None and cfg.method not in METHODS):
         return ()
     return tuple(cfg.sources) if cfg.sources is not None else get_method(cfg.method)(cfg).sources
 

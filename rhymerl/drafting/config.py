@@ -11,7 +11,7 @@ class SpecConfig:
     """How drafts are made and gated. ``method`` names a set of draft sources
     (:data:`rhymerl.drafting.controller.METHODS`); ``sources`` overrides that set."""
 
-    method: str = "history"  # none | history | ngram | draft_model | draft_head | hybrid
+    method: str = "history"  # none | history | ngram | draft_model | draft_head | hybrid; vLLM only: suffix | eagle3
     sources: list[str] | None = None  # None: the method's own (registry names of rhymerl.drafting.SOURCES)
     max_draft: int = 16
     tree_budget: int = 0  # >0: tree drafts with up to this many nodes
@@ -24,7 +24,7 @@ class SpecConfig:
     gate: bool = True
     prompt_lookup_min: int = 3  # the ngram source's n-gram sizes
     prompt_lookup_max: int = 7
-    # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer.
+    # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer (eagle3: a head's).
     draft_model: str | None = None
     draft_max: int = 4  # tokens a model source drafts per row (one draft forward each)
     coupled: bool = True  # draft with the target's own per-position uniforms (False: greedy drafts)

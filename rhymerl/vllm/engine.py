@@ -190,6 +190,16 @@ class VllmEngine:
         self._rpc("rhymerl_load_weights", save(blob))
         self.engine.reset_prefix_cache()
 
+    def load_draft_weights(self, named: Mapping[str, torch.Tensor]) -> None:
+        """New weights for the engine's draft model (``eagle3`` / ``draft_model``), named as its
+        checkpoint: a head trained alongside the policy is pushed with each policy sync."""
+        from safetensors.torch import save
+
+        self._rpc("rhymerl_load_draft_weights", save({n: t.detach().cpu().contiguous().clone() for n, t in named.items()}))
+
+    def draft_digest(self) -> dict[str, Any]:
+        return self._rpc("rhymerl_draft_digest")[0]
+
     def put_history(self, rows: list[tuple[str, list[int], list]]) -> None:
         self._rpc("rhymerl_put_history", rows)
 

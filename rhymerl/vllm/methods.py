@@ -34,11 +34,18 @@ def _draft_model(c: SpecConfig) -> dict[str, Any]:
     return {"method": "draft_model", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
 
 
+def _eagle3(c: SpecConfig) -> dict[str, Any]:  # an Eagle3 head (rhymerl.vllm.eagle3 writes a fresh one)
+    if not c.draft_model:
+        raise ValueError("speculative.method=eagle3 needs speculative.draft_model=PATH (an Eagle3 head's folder)")
+    return {"method": "eagle3", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
+
+
 VLLM_METHODS: dict[str, Callable[[SpecConfig], dict[str, Any]]] = {
     "history": _history,
     "ngram": _ngram,
     "suffix": _suffix,
     "draft_model": _draft_model,
+    "eagle3": _eagle3,
 }
 
 

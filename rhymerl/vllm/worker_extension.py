@@ -1,6 +1,6 @@
 """Methods rhymerl adds to each vLLM worker (``worker_extension_cls``), reached from the engine's
-caller by ``collective_rpc``: new policy weights, the history a step drafts from, the proposer's
-counters, and the sampler correction's state."""
+caller by ``collective_rpc``: new policy and draft-model weights, the history a step drafts from,
+the proposer's counters, and the sampler correction's state."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,6 +19,48 @@ class RolloutExtension:
         # linear kernels) are restored to checkpoint form, loaded, and repacked.
         self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
         return len(named)
+
+    def _rhymerl_draft_model(self) -> Any:
+        model = getattr(getattr(self.model_runner, "drafter", None), "model", None)
+        if model is None:
+            raise RuntimeError("this vLLM engine has no draft model (speculative method eagle3 or draft_model)")
+        return model
+
+    def rhymerl_load_draft_weights(self, blob: bytes) -> int:
+        """Copy a draft model's weights, named as its checkpoint (an Eagle3 head's ``midlayer.*``,
+        ``fc``...), into the running drafter, in place as for the policy. What the drafter shares
+        with the policy (an Eagle3 head's embedding) is the policy's module, updated by its sync."""
+        from safetensors.torch import load
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        named = load(blob)
+        reload_weights(self.model_runner.vllm_config, self._rhymerl_draft_model(), weights_iterator=iter(named.items()),
+                       weights_path=None, is_checkpoint_format=True)
+        return len(named)
+
+    def rhymerl_draft_digest(self) -> dict[str, Any]:
+        """Per drafter weight, the sum of its entries (to see what a push changed), and whether the
+        drafter's embedding is the policy's own module (so a policy sync reaches it). A linear
+        layer's sum is read through its forward (W @ 1): vLLM's CPU kernels repack the weight
+        and leave the parameter empty."""
+        import torch
+        from vllm.model_executor.layers.linear import LinearBase
+
+        model = self._rhymerl_draft_model()
+        target = self.model_runner.get_model()
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        sums = {}
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if isinstance(mod, LinearBase):
+                    w = next(mod.parameters())
+                    out = mod(torch.ones(1, mod.input_size, dtype=w.dtype, device=w.device))
+                    sums[f"{name}.weight"] = float((out[0] if isinstance(out, tuple) else out).double().sum())
+            for name, p in model.named_parameters():
+                sums.setdefault(name, float(p.detach().double().sum()))
+        return {"sums": sums, "embed_is_policys": embed is not None and embed is target.model.embed_tokens,
+                "embed_equals_policys": embed is not None and
+                bool(torch.equal(embed.weight, target.model.embed_tokens.weight))}
 
     def _rhymerl_proposer(self) -> Any:
         from rhymerl.vllm.proposer import HistoSpecProposer
