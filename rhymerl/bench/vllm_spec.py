@@ -5,8 +5,9 @@ prompts, each epoch with its own seeds (as RL draws them), and the history metho
 its previous epoch's responses. In each epoch the engines run in turn (plain first), so each
 row's ``speedup`` is against plain vLLM timed in the same round. Per row: tokens per sequence per
 forward (machine-independent), tokens/s, greedy identity against plain vLLM on the same prompts,
-and the p-value of the two-sample test against plain vLLM's samples of that epoch
-(:func:`rhymerl.sample_stats.same_distribution`; another seed, so the two samples are independent).
+and the p-value of the two-sample test (first tokens, lengths, rewards) against plain vLLM's samples
+of that epoch (:func:`rhymerl.sample_stats.same_distribution`; another seed, so the two samples are
+independent).
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
             seed = 1000 * epoch + int(temperature * 100)
             base, base_s = _epoch(plain, ids, keys, params, seed=seed + 7)  # another seed: an independent sample
             base_tokens = [s.tokens for g in base for s in g]
+            base_rewards = _rewards(base, tok, task, truths)
             base_rate = sum(map(len, base_tokens)) / base_s
             rows.append(_row("none", epoch, temperature, base, base_s, base_rate, True, None, tok, task, truths))
             for m, eng in engines.items():
@@ -91,9 +93,12 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
                     eng.put_history([(k, p, past[(m, temperature, k)][-kept:]) for k, p in zip(keys, ids)])
                     eng.begin(epoch + 1)
                 tokens = [s.tokens for g in got for s in g]
-                test = same_distribution(tokens, base_tokens)
+                test = same_distribution(tokens, base_tokens, rewards_a=_rewards(got, tok, task, truths),
+                                         rewards_b=base_rewards)
                 rows.append(_row(m, epoch, temperature, got, secs, base_rate, identical[m], test.p, tok, task, truths))
                 rows[-1]["propose_share"] = None if share is None else round(share, 3)
+                rows[-1].update(p_tokens=round(test.p_tokens, 4), p_length=round(test.p_length, 4),
+                                p_reward=round(test.p_reward, 4))  # the parts of lossless_pvalue
     plain.close()
     for e in engines.values():
         e.close()
@@ -103,12 +108,16 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
     return rows
 
 
+def _rewards(got, tok, task, truths: list[str]) -> list[float]:
+    return [task.score(tok.decode(s.tokens, skip_special_tokens=True), truths[p]) for p, g in enumerate(got) for s in g]
+
+
 def _row(method: str, epoch: int, temperature: float, got, secs: float, base_rate: float, identical: bool,
          pvalue: float | None, tok, task, truths: list[str]) -> dict[str, Any]:
     flat = [(p, s) for p, g in enumerate(got) for s in g]
     tokens = sum(len(s.tokens) for _, s in flat)
     forwards = sum(s.forwards for _, s in flat)
-    acc = sum(task.score(tok.decode(s.tokens, skip_special_tokens=True), truths[p]) for p, s in flat) / len(flat)
+    acc = sum(_rewards(got, tok, task, truths)) / len(flat)
     rate = tokens / secs
     return {"engine": "vllm", "method": method, "epoch": epoch, "temperature": temperature,
             "accepted_per_forward": round(tokens / max(1, forwards), 3), "tok_s": round(rate),
