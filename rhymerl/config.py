@@ -371,13 +371,16 @@ def _validate_speculative(cfg: RunConfig) -> None:
     if sp.draft_model is not None and not Path(sp.draft_model).is_dir():
         raise ConfigError(f"rollout.speculative.draft_model: {sp.draft_model!r} is not a folder "
                           "(an HF model folder sharing the policy's tokenizer)")
-    if sp.method in ("draft_model", "eagle3") and not sp.draft_model:
-        raise ConfigError(f"rollout.speculative.method={sp.method} needs rollout.speculative.draft_model=PATH")
-    from rhymerl.drafting import trains_draft_head
+    if sp.method == "draft_model" and not sp.draft_model:
+        raise ConfigError("rollout.speculative.method=draft_model needs rollout.speculative.draft_model=PATH")
+    from rhymerl.drafting import trains_draft_head, trains_eagle3
 
     if trains_draft_head(sp) and cfg.trainer.world_size > 1:
         raise ConfigError("rollout.speculative: a draft head trained online needs trainer.world_size=1 "
                           "(or load a trained one with rollout.speculative.draft_head=PATH)")
+    if trains_eagle3(sp) and cfg.trainer.world_size > 1:
+        raise ConfigError("rollout.speculative.method=eagle3: a head trained online needs trainer.world_size=1 "
+                          "(or load a trained one with rollout.speculative.draft_model=PATH)")
 
 
 def _validate_vllm(cfg: RunConfig) -> None:

@@ -69,10 +69,16 @@ class VllmRolloutWorker:
     def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
         from rhymerl.model import ours_to_hf
 
+        from rhymerl.drafting.eagle3_head import PREFIX
+
         learnt = sorted(n for n in named if n.startswith("draft_head."))
         if learnt:
             raise KeyError(f"update_weights: {learnt[0]!r} belongs to an online draft head, which vLLM does not run")
-        self.engine.load_weights(ours_to_hf(dict(named), self.model_config))
+        head = {n[len(PREFIX):]: t for n, t in named.items() if n.startswith(PREFIX)}
+        self.engine.load_weights(ours_to_hf({n: t for n, t in named.items() if not n.startswith(PREFIX)},
+                                            self.model_config))
+        if head:  # an Eagle3 head trained beside the policy: the drafter gets it with the same sync
+            self.engine.load_draft_weights(head)
 
     def update_weights_numpy(self, named: Mapping[str, Any]) -> None:
         self.update_weights({n: torch.from_numpy(a) for n, a in named.items()})

@@ -43,6 +43,11 @@ def trains_draft_head(cfg: SpecConfig) -> bool:
     return cfg.draft_head is None and "draft_head" in source_names(cfg)
 
 
+def trains_eagle3(cfg: SpecConfig) -> bool:
+    """Whether vLLM drafts with an Eagle3 head trained online (none loaded from ``draft_model``)."""
+    return cfg.method == "eagle3" and cfg.draft_model is None
+
+
 __all__ = ["draft_head", "draft_model", "history_sources", "ngram", "siblings", "Candidate", "DraftSource", "HistoryStore", "METHODS", "SOURCES", "SourceContext", "SpecConfig",
            "SpecController", "SuffixIndex", "build_proposer", "get_method", "get_source", "register_source",
-           "source_names", "trains_draft_head", "uses_history"]
+           "source_names", "trains_draft_head", "trains_eagle3", "uses_history"]

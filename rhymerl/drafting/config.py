@@ -24,12 +24,12 @@ class SpecConfig:
     gate: bool = True
     prompt_lookup_min: int = 3  # the ngram source's n-gram sizes
     prompt_lookup_max: int = 7
-    # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer (eagle3: a head's).
+    # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer (eagle3: an Eagle3 head's; unset: one trained online).
     draft_model: str | None = None
     draft_max: int = 4  # tokens a model source drafts per row (one draft forward each)
     coupled: bool = True  # draft with the target's own per-position uniforms (False: greedy drafts)
     draft_head: str | None = None  # a saved draft head (a folder from rhymerl.drafting.draft_head)
-    draft_head_lr: float = 1e-3  # online training of the draft head during RL
+    draft_head_lr: float = 1e-3  # online training of the draft head (or Eagle3 head) during RL
 
     @classmethod
     def from_mapping(cls, spec: Mapping[str, Any] | "SpecConfig" | None) -> "SpecConfig":

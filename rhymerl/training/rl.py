@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from rhymerl.data.filters import filter_rows
 from rhymerl.data.loader import PromptLoader
 from rhymerl.data.splits import task_splits
 from rhymerl.device import machine_info, resolve_device, resolve_dtype, torch_threads
-from rhymerl.drafting import trains_draft_head
+from rhymerl.drafting import trains_draft_head, trains_eagle3
 from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.model import load_pretrained
 from rhymerl.progress import progress
@@ -128,8 +128,14 @@ class RLRun:
         self.history = self._build_history()
         from rhymerl.distribution.factory import build_coordinator, trainer_threads_beside_workers
 
+        engines_cfg = cfg
+        if trains_eagle3(cfg.rollout.speculative):  # vLLM builds its drafter from a folder: the head as it starts
+            head = self.draft_head.save(run_dir)
+            engines_cfg = replace(cfg, rollout=replace(cfg.rollout,
+                                                       speculative=cfg.rollout.speculative.with_(draft_model=str(head))))
         try:
-            self.rollout = build_coordinator(cfg, base, self._named(), tokenizer=self.tokenizer, history=self.history)
+            self.rollout = build_coordinator(engines_cfg, base, self._named(), tokenizer=self.tokenizer,
+                                             history=self.history)
         except BaseException:
             self.rewards.close()  # no reward or trainer processes left behind either
             self.trainer.close()
@@ -184,6 +190,11 @@ class RLRun:
 
             self.draft_head = DraftHeadTrainer(self.model, cfg.rollout.speculative.draft_head_lr, self.device,
                                                seed=cfg.seed)
+        elif trains_eagle3(cfg.rollout.speculative):
+            from rhymerl.training.eagle3_trainer import Eagle3Trainer
+
+            self.draft_head = Eagle3Trainer(self.model, base, cfg.rollout.speculative.draft_head_lr, self.device,
+                                            seed=cfg.seed)
         return PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref, total_optimizer_steps=total,
                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                              draft_head=self.draft_head, check_rollout_logp=cfg.rollout.engine != "native")

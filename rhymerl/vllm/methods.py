@@ -34,9 +34,10 @@ def _draft_model(c: SpecConfig) -> dict[str, Any]:
     return {"method": "draft_model", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
 
 
-def _eagle3(c: SpecConfig) -> dict[str, Any]:  # an Eagle3 head (rhymerl.vllm.eagle3 writes a fresh one)
+def _eagle3(c: SpecConfig) -> dict[str, Any]:  # an Eagle3 head's folder (a run training one online writes it)
     if not c.draft_model:
-        raise ValueError("speculative.method=eagle3 needs speculative.draft_model=PATH (an Eagle3 head's folder)")
+        raise ValueError("speculative.method=eagle3 needs speculative.draft_model=PATH (an Eagle3 head's folder; "
+                         "rhymerl.drafting.eagle3_head.write_head writes a fresh one)")
     return {"method": "eagle3", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
 
 

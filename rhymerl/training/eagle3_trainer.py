@@ -1,0 +1,94 @@
+"""Online training of an Eagle3 head (:mod:`rhymerl.drafting.eagle3_head`) for vLLM during RL.
+
+The trainer's forward over each micro-batch already runs the policy; forward pre-hooks on the
+three layers the head reads keep the residual stream entering them (detached), and the head
+learns, from those states at position ``t`` and token ``t+1``'s embedding, to predict token
+``t+2``. The policy's embedding is read, not trained (vLLM shares it with the head); the head's
+loss never reaches the policy's gradients. Its weights go to the vLLM engines with every policy
+sync under the names ``eagle3.*`` (:data:`PREFIX`), so the drafter never runs on a stale head.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from rhymerl.drafting.eagle3_head import PREFIX, Eagle3Head, aux_layers, new_head, write_head
+
+HEAD_DIR = "eagle3_head"
+
+
+class Eagle3Trainer:
+    def __init__(self, policy: torch.nn.Module, target: str | Path, lr: float, device: torch.device,
+                 seed: int = 0) -> None:
+        self.policy, self.target = policy, target  # target: the policy's folder (the head's config follows it)
+        # A fresh head with its own lm_head: one equal to the policy's would be merged into the
+        # policy's by vLLM at load, and a push of the head's would then overwrite the policy's.
+        self.head: Eagle3Head = new_head(policy.config, seed).to(device=device, dtype=torch.float32)
+        self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr)
+        self.layers = aux_layers(policy.config.num_hidden_layers)
+        self._states: dict[int, torch.Tensor] = {}
+        self._on = False
+        for i in self.layers:
+            policy.model.layers[i].register_forward_pre_hook(self._keeper(i))
+
+    def _keeper(self, i: int):
+        def keep(module, args) -> None:
+            if self._on:
+                self._states[i] = args[0].detach()
+        return keep
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Keep the hidden states of the policy forwards run inside."""
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The head's weights as the rollout workers receive them."""
+        return {PREFIX + n: p for n, p in self.head.state_dict().items()}
+
+    def train_on(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+        """One optimizer step on the micro-batch whose policy forward just ran.
+
+        ``ids [b, W]`` (positions ``0..W-1``); ``mask [b, W-1]`` marks response tokens
+        (``mask[:, t]``: token ``t+1``). Returns (loss summed over tokens, top-1 hits, tokens)."""
+        states, self._states = self._states, {}
+        W = ids.shape[1]
+        if len(states) != len(self.layers) or W < 3:
+            return 0.0, 0.0, 0.0
+        aux = torch.cat([states[i][:, : W - 2].float() for i in self.layers], -1)
+        embeds = F.embedding(ids[:, 1: W - 1], self.policy.model.embed_tokens.weight.detach().float())
+        positions = torch.arange(W - 2, device=ids.device).expand(ids.shape[0], -1)
+        cos, sin = self.policy.model.rotary_emb(positions, torch.float32)
+        logits = self.head(aux, embeds, cos, sin)
+        target, m = ids[:, 2:W], mask[:, 1: W - 1].float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none") * m.reshape(-1)
+        loss = ce.sum() / m.sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.optimizer.step()
+        with torch.no_grad():
+            correct = ((logits.argmax(-1) == target).float() * m).sum()
+        return float(ce.sum().detach()), float(correct), float(m.sum())
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save(self, folder: Path) -> Path:
+        """The head as vLLM loads it (``speculative.draft_model=folder/eagle3_head``), plus its
+        optimizer state (exact resume)."""
+        out = write_head(self.target, folder / HEAD_DIR, weights=self.head.state_dict())
+        torch.save(self.optimizer.state_dict(), out / "optim.pt")
+        return out
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.head.load_state_dict(load_file(str(folder / HEAD_DIR / "model.safetensors")))
+        self.optimizer.load_state_dict(torch.load(folder / HEAD_DIR / "optim.pt", weights_only=True))
