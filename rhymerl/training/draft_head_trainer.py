@@ -8,40 +8,29 @@ No extra policy forward; the head's loss never reaches the policy's gradients.
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from rhymerl.drafting.draft_head import PREFIX, DraftHead, load_head, new_head, save_head
+from rhymerl.training.online_head import OnlineHead
 
 HEAD_DIR = "draft_head"
 
 
-class DraftHeadTrainer:
+class DraftHeadTrainer(OnlineHead):
     def __init__(self, policy: torch.nn.Module, lr: float, device: torch.device, seed: int = 0,
                  head: DraftHead | None = None) -> None:
         self.policy = policy
         self.head = (head or new_head(policy.config, seed)).to(device=device, dtype=torch.float32)
         self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr)
         self._hidden: torch.Tensor | None = None
-        self._on = False
         policy.model.norm.register_forward_hook(self._keep)
 
     def _keep(self, module, inputs, output) -> None:
         if self._on:
             self._hidden = output.detach()
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Keep the hidden states of the policy forwards run inside."""
-        self._on = True
-        try:
-            yield
-        finally:
-            self._on = False
 
     def named(self) -> dict[str, torch.Tensor]:
         """The head's weights as the rollout workers receive them."""

@@ -9,19 +9,18 @@ sync under the names ``eagle3.*`` (:data:`PREFIX`), so the drafter never runs on
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from rhymerl.drafting.eagle3_head import PREFIX, Eagle3Head, aux_layers, new_head, write_head
+from rhymerl.training.online_head import OnlineHead
 
 HEAD_DIR = "eagle3_head"
 
 
-class Eagle3Trainer:
+class Eagle3Trainer(OnlineHead):
     def __init__(self, policy: torch.nn.Module, target: str | Path, lr: float, device: torch.device,
                  seed: int = 0) -> None:
         self.policy, self.target = policy, target  # target: the policy's folder (the head's config follows it)
@@ -31,7 +30,6 @@ class Eagle3Trainer:
         self.optimizer = torch.optim.Adam(self.head.parameters(), lr=lr)
         self.layers = aux_layers(policy.config.num_hidden_layers)
         self._states: dict[int, torch.Tensor] = {}
-        self._on = False
         for i in self.layers:
             policy.model.layers[i].register_forward_pre_hook(self._keeper(i))
 
@@ -40,15 +38,6 @@ class Eagle3Trainer:
             if self._on:
                 self._states[i] = args[0].detach()
         return keep
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Keep the hidden states of the policy forwards run inside."""
-        self._on = True
-        try:
-            yield
-        finally:
-            self._on = False
 
     def named(self) -> dict[str, torch.Tensor]:
         """The head's weights as the rollout workers receive them."""
