@@ -169,3 +169,70 @@ def test_union_tree_shares_prefixes_and_keeps_the_best_nodes():
     assert tree.tokens[0] == 5 and probs[0] == 0.95  # shared once, at its best probability
     assert len(tree) == 4 and (0, 6) in nodes and (0, 9) in nodes and (1, 7) in nodes and (-1, 8) not in nodes
     assert probs == sorted(probs, reverse=True)
+
+
+def _eagle3_chain(head, aux, embeds, cos, sin, p: int, steps: int) -> list[torch.Tensor]:
+    """vLLM's Eagle3 drafting, one position at a time: step 1 over positions 0..p fills the draft's
+    cache from the target's states; each later step drafts at the next position from the previous
+    step's residual stream, reading that cache and the keys it added itself."""
+    layer = head.midlayer
+
+    def run(hidden, t, keys, values):
+        x = torch.cat([layer.input_layernorm(embeds[:, t:t + 1]), layer.hidden_norm(hidden)], -1)
+        q, k, v = layer.self_attn.qkv(x, cos[:, :, t:t + 1], sin[:, :, t:t + 1])
+        keys, values = keys + [k], values + [v]
+        w = torch.softmax(torch.cat([q @ kk.transpose(-1, -2) for kk in keys], -1) * q.shape[-1] ** -0.5, -1)
+        attn = w @ torch.cat(values, 2)
+        hidden = hidden + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(1, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, head.lm_head(head.norm(hidden)), keys, values
+
+    keys, values = [], []
+    for t in range(p + 1):  # the cache of the verified prefix
+        hidden, logits, keys, values = run(head.fc(aux[:, t:t + 1]), t, keys, values)
+    out = [logits]
+    for s in range(1, steps):
+        hidden, logits, keys, values = run(hidden, p + s, keys, values)
+        out.append(logits)
+    return out
+
+
+def test_an_eagle3_head_trains_each_draft_step_as_vllm_drafts_it():
+    """The head's batched forward over every position gives, at step s and position t, the logits
+    vLLM's drafter computes at its s-th draft when the chain starts at t - s + 1 (from its own
+    residual stream and its draft cache); training on the steps teaches the later ones too."""
+    from rhymerl.drafting.eagle3_head import new_head
+    from rhymerl.training.eagle3_trainer import Eagle3Trainer
+
+    policy = tiny_model(num_hidden_layers=4)
+    head = new_head(policy.config, seed=1).eval()
+    for prm in head.parameters():  # a fresh head's 0.02 weights would hide a wrong mask
+        torch.nn.init.normal_(prm, std=0.3)
+    T, H = 12, policy.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    aux, embeds = torch.randn(1, T, 3 * H, generator=g), torch.randn(1, T, H, generator=g)
+    cos, sin = policy.model.rotary_emb(torch.arange(T)[None], torch.float32)
+    with torch.no_grad():
+        batched = head(aux, embeds, cos, sin, steps=3)
+        for p in (0, 4, 9):
+            chain = _eagle3_chain(head, aux, embeds, cos, sin, p, steps=3)
+            for s, logits in enumerate(chain):
+                torch.testing.assert_close(batched[s][:, p + s], logits[:, 0], rtol=1e-4, atol=1e-4)
+
+    # Trained on one repeated sequence, every step learns it; trained on step 1 only, later ones don't.
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 2])
+    mask = torch.ones(1, ids.shape[1] - 1, dtype=torch.bool)
+    for steps in (1, 3):
+        trainer = Eagle3Trainer(policy, "unused", lr=1e-2, device=torch.device("cpu"), seed=0, steps=steps)
+        for _ in range(60):
+            with trainer.watching(), torch.no_grad():
+                policy(ids)
+            trainer.train_on(ids, mask)
+        with trainer.watching(), torch.no_grad():
+            policy(ids)
+            states = [trainer._states[i][:, :-2] for i in trainer.layers]
+            W = ids.shape[1]
+            cos, sin = policy.model.rotary_emb(torch.arange(W - 2)[None], torch.float32)
+            out = trainer.head(torch.cat(states, -1), policy.model.embed_tokens(ids[:, 1:-1]), cos, sin, steps=3)
+        third = float((out[2][:, 2:].argmax(-1) == ids[:, 4:]).float().mean())
+        assert (third > 0.9) if steps == 3 else (third < 0.5), (steps, third)

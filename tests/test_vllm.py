@@ -345,20 +345,22 @@ def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_
 @pytest.mark.slow
 def test_an_eagle3_head_trained_here_and_pushed_drafts_better_inside_vllm(engines, tiny, tmp_path):
     """The head rhymerl trains (its torch module) computes what vLLM's Eagle3 drafter computes:
-    trained on the policy's own greedy responses and pushed into the running engine, it drafts
-    those responses far better than the fresh head vLLM started with (greedy, so tokens per
-    forward are exact); the push reaches the drafter (its weights are the trainer's)."""
+    trained on the policy's own greedy responses (every draft step, each from the head's own output)
+    and pushed into the running engine, it drafts those responses far better than the fresh head
+    vLLM started with, the later steps too (greedy, so tokens per forward are exact); the push
+    reaches the drafter (its weights are the trainer's)."""
     from rhymerl.distribution.vllm_worker import VllmRolloutWorker
     from rhymerl.distribution.work import WorkerSpec
     from rhymerl.model import load_pretrained
     from rhymerl.training.eagle3_trainer import Eagle3Trainer
 
     path, prompts = tiny
-    eng = engines.get("eagle3-trained", _model_spec("eagle3", path, tmp_path))
+    spec = _model_spec("eagle3", path, tmp_path)
+    eng = engines.get("eagle3-trained", spec)
     greedy = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=0.0)
     _, fresh, got = responses(eng, prompts, greedy, seed=3)
     policy = load_pretrained(path)
-    trainer = Eagle3Trainer(policy, path, lr=3e-3, device=torch.device("cpu"), seed=0)
+    trainer = Eagle3Trainer(policy, path, lr=3e-3, device=torch.device("cpu"), seed=0, steps=spec.draft_max)
     rows = [ids + g[0].tokens for ids, g in zip(prompts, got)]
     W = max(map(len, rows))
     ids = torch.tensor([r + [0] * (W - len(r)) for r in rows])
@@ -374,7 +376,8 @@ def test_an_eagle3_head_trained_here_and_pushed_drafts_better_inside_vllm(engine
     assert eng.draft_digest()["sums"]["model.fc.weight"] == pytest.approx(fc, rel=1e-4, abs=1e-4)
     again, trained, _ = responses(eng, prompts, greedy, seed=3)
     assert again == [g[0].tokens for g in got]  # greedy: what is drafted never changes the tokens
-    assert fresh < 1.3 and trained > 1.6, (fresh, trained)  # 1.69-1.80 here; 1.50 with the attention input halves swapped
+    # 2.77-3.43 of at most 4 here (five runs: vLLM's scheduling moves it); 1.69-1.80 training the first step alone
+    assert fresh < 1.3 and trained > 2.4, (fresh, trained)
     engines.drop("eagle3-trained")
 
 

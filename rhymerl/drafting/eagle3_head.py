@@ -8,8 +8,9 @@ whose attention reads both (hence its ``2 * hidden`` input), and predicts token 
 ``lm_head``. It has no ``embed_tokens``: vLLM shares the policy's module, so each policy sync reaches
 the head's embedding too. Its own weights are pushed with
 :meth:`rhymerl.vllm.engine.VllmEngine.load_draft_weights` (in a run: with every policy sync).
-The module here computes what vLLM's ``Eagle3LlamaForCausalLM`` computes for one draft step
-(``norm_before_residual`` off, one layer, full draft vocabulary).
+The module here computes what vLLM's ``Eagle3LlamaForCausalLM`` computes for each draft step
+(``norm_before_residual`` off, one layer, full draft vocabulary), the later steps from the head's own
+residual stream with the draft cache vLLM keeps (EAGLE-3's training-time test).
 """
 from __future__ import annotations
 
@@ -86,13 +87,36 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys, values ``[B, heads, T, head_dim]`` (keys and values repeated to the query heads)."""
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        rep = self.n_heads // self.n_kv
+        return q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+
+def _shift(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``x`` moved ``n`` places later along ``dim`` (zeros in front): entry ``t`` holds ``x[t - n]``."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, n))
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - n)], dim)
+
+
+def _draft_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of draft step ``s = len(keys)`` as vLLM's drafter runs it: the query at ``t`` reads
+    step 1's keys at positions ``<= t - (s - 1)`` (the draft's cache, written from the target's states)
+    and step ``j``'s key at ``t - (s - j)`` for ``j = 2..s`` (the steps drafted before it, itself last).
+    One fused attention over the steps' keys side by side, a mask choosing what each row reads."""
+    s, T = len(keys), q.shape[2]
+    t = torch.arange(T, device=q.device)
+    seen = [t[None, :] <= (t[:, None] - (s - 1)).clamp(min=0)]  # rows t < s-1 draft nothing (masked by the caller)
+    seen += [t[None, :] == t[:, None]] * (s - 1)  # step j's key, shifted to row t
+    k = torch.cat([keys[0]] + [_shift(k, s - j, 2) for j, k in enumerate(keys[1:], 2)], 2)
+    v = torch.cat([values[0]] + [_shift(v, s - j, 2) for j, v in enumerate(values[1:], 2)], 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat(seen, -1))
 
 
 class _MLP(nn.Module):
@@ -127,15 +151,28 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, aux: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Logits for token ``t+2`` from ``aux [B, T, 3H]`` (the policy's states at ``t``) and
-        ``embeds [B, T, H]`` (token ``t+1``'s embedding); ``cos``/``sin`` of positions ``t``."""
-        layer = self.midlayer
-        residual = self.fc(aux)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(residual)], -1)
-        residual = residual + layer.self_attn(x, cos, sin)
-        residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        return self.lm_head(self.norm(residual))
+    def forward(self, aux: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                steps: int = 1) -> list[torch.Tensor]:
+        """Logits of each draft step from ``aux [B, T, 3H]`` (the policy's states at ``t``), ``embeds
+        [B, T, H]`` (token ``t+1``'s embedding) and ``cos``/``sin`` of positions ``t``.
+
+        Step 1 at ``t`` predicts token ``t+2``. Step ``s > 1`` is the head drafting from its own output,
+        as vLLM feeds it: at ``t`` it reads step ``s-1``'s residual stream at ``t-1`` (no ``fc``) and token
+        ``t+1``, and predicts token ``t+2``; rows ``t < s-1`` have no such chain (mask them)."""
+        layer, B, T = self.midlayer, aux.shape[0], aux.shape[1]
+        hidden, keys, values, logits = self.fc(aux), [], [], []
+        for s in range(1, steps + 1):
+            if s > 1:
+                hidden = _shift(hidden, 1, 1)
+            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            attn = _draft_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)
+            hidden = hidden + layer.self_attn.o_proj(attn)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            logits.append(self.lm_head(self.norm(hidden)))
+        return logits
 
 
 def new_head(cfg: ModelConfig, seed: int = 0) -> Eagle3Head:

@@ -18,12 +18,14 @@ from rhymerl.drafting.eagle3_head import PREFIX, Eagle3Head, aux_layers, new_hea
 from rhymerl.training.online_head import OnlineHead
 
 HEAD_DIR = "eagle3_head"
+STEP_DECAY = 0.8
 
 
 class Eagle3Trainer(OnlineHead):
     def __init__(self, policy: torch.nn.Module, target: str | Path, lr: float, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, steps: int = 1) -> None:
         self.policy, self.target = policy, target  # target: the policy's folder (the head's config follows it)
+        self.steps = steps  # draft steps trained: as many as vLLM drafts (num_speculative_tokens)
         # A fresh head with its own lm_head: one equal to the policy's would be merged into the
         # policy's by vLLM at load, and a push of the head's would then overwrite the policy's.
         self.head: Eagle3Head = new_head(policy.config, seed).to(device=device, dtype=torch.float32)
@@ -47,7 +49,8 @@ class Eagle3Trainer(OnlineHead):
         """One optimizer step on the micro-batch whose policy forward just ran.
 
         ``ids [b, W]`` (positions ``0..W-1``); ``mask [b, W-1]`` marks response tokens
-        (``mask[:, t]``: token ``t+1``). Returns (loss summed over tokens, top-1 hits, tokens)."""
+        (``mask[:, t]``: token ``t+1``). Returns the first draft step's (loss summed over tokens,
+        top-1 hits, tokens); every step up to ``steps`` is trained."""
         states, self._states = self._states, {}
         W = ids.shape[1]
         if len(states) != len(self.layers) or W < 3:
@@ -56,17 +59,24 @@ class Eagle3Trainer(OnlineHead):
         embeds = F.embedding(ids[:, 1: W - 1], self.policy.model.embed_tokens.weight.detach().float())
         positions = torch.arange(W - 2, device=ids.device).expand(ids.shape[0], -1)
         cos, sin = self.policy.model.rotary_emb(positions, torch.float32)
-        logits = self.head(aux, embeds, cos, sin)
         target, m = ids[:, 2:W], mask[:, 1: W - 1].float()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none") * m.reshape(-1)
-        loss = ce.sum() / m.sum().clamp(min=1)
+        step_logits = self.head(aux, embeds, cos, sin, steps=self.steps)
+        loss, first_ce = 0.0, None
+        for s, logits in enumerate(step_logits):
+            ms = m.clone()
+            ms[:, :s] = 0  # step s+1 drafts at t >= s only (it continues a chain begun s positions earlier)
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+            ce = ce.view_as(ms) * ms
+            first_ce = ce if first_ce is None else first_ce
+            # A later step's draft counts only once the earlier ones are accepted: it weighs less.
+            loss = loss + STEP_DECAY ** s * ce.sum() / ms.sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
         self.optimizer.step()
         with torch.no_grad():
-            correct = ((logits.argmax(-1) == target).float() * m).sum()
-        return float(ce.sum().detach()), float(correct), float(m.sum())
+            correct = ((step_logits[0].argmax(-1) == target).float() * m).sum()
+        return float(first_ce.sum().detach()), float(correct), float(m.sum())
 
     # --- checkpoints ------------------------------------------------------------------------
     def save(self, folder: Path) -> Path:
