@@ -7,8 +7,8 @@ Any vLLM program can load it::
     LLM(path, speculative_config={"method": "custom_class",
                                   "model": "rhymerl.vllm.HistoSpecProposer",
                                   "num_speculative_tokens": 8},
-        additional_config={"rhymerl": {"history": "run/history.json.gz"}})
-    llm.generate(prompts, SamplingParams(..., extra_args={"prompt_key": "train-17"}))
+        additional_config={"rhymerl": {"history": "RUN/checkpoints/step_000080/history.json.gz"}})
+    llm.generate(prompts, SamplingParams(..., extra_args={"prompt_key": "17"}))  # the data row's key
 
 ``additional_config["rhymerl"]`` may also hold ``"speculative"``: a dict of
 :class:`rhymerl.drafting.SpecConfig` fields (``sources``, ``length_policy``, ``pattern_max``...).
