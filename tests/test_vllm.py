@@ -75,6 +75,32 @@ def test_speculation_at_temperature_is_refused_where_a_worker_runs_the_uncorrect
     assert "VLLM_PLUGINS" in lossy_reason(spec, [sampler_fix.UNKNOWN])
 
 
+def test_reload_warnings_for_layers_a_push_leaves_alone_are_dropped_and_others_kept():
+    """A push reloads the engine's layers in place; vLLM warns of each layer it did not reach. The
+    rotary table (computed) and an Eagle3 head's embedding (the policy's) are left alone on purpose:
+    their warnings would fill a run's log at every sync. Any other layer's still shows."""
+    import logging
+
+    from rhymerl.vllm.worker_extension import RELOAD_LOG, expected_unloaded
+
+    if HAVE_VLLM:  # the filter sits on the logger vLLM's reload writes to
+        from vllm.model_executor.model_loader.reload import layerwise
+        assert layerwise.logger.name == RELOAD_LOG
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger(RELOAD_LOG)
+    log.addHandler(handler)
+    try:
+        with expected_unloaded("RotaryEmbedding"):
+            for layer in ("RotaryEmbedding", "QKVParallelLinear"):
+                log.warning("%s: Failed to load weights", layer)
+        log.warning("%s: Failed to load weights", "RotaryEmbedding")  # outside a push: kept
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["QKVParallelLinear: Failed to load weights", "RotaryEmbedding: Failed to load weights"]
+
+
 def test_the_two_sample_test_rejects_a_shift_and_keeps_the_same_distribution():
     rng = random.Random(0)
     same = [[rng.choice([3, 4, 5, 6]) for _ in range(6)] for _ in range(1024)]
