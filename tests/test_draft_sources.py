@@ -230,9 +230,7 @@ def test_an_eagle3_head_trains_each_draft_step_as_vllm_drafts_it():
             trainer.train_on(ids, mask)
         with trainer.watching(), torch.no_grad():
             policy(ids)
-            states = [trainer._states[i][:, :-2] for i in trainer.layers]
-            W = ids.shape[1]
-            cos, sin = policy.model.rotary_emb(torch.arange(W - 2)[None], torch.float32)
-            out = trainer.head(torch.cat(states, -1), policy.model.embed_tokens(ids[:, 1:-1]), cos, sin, steps=3)
+            trainer.steps = 3
+            out = trainer.draft_logits(ids)
         third = float((out[2][:, 2:].argmax(-1) == ids[:, 4:]).float().mean())
         assert (third > 0.9) if steps == 3 else (third < 0.5), (steps, third)

@@ -45,29 +45,37 @@ class Eagle3Trainer(OnlineHead):
         """The head's weights as the rollout workers receive them."""
         return {PREFIX + n: p for n, p in self.head.state_dict().items()}
 
+    def draft_logits(self, ids: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each draft step's logits (:meth:`Eagle3Head.forward`) over ``ids [b, W]`` from the states
+        the last watched policy forward kept (consumed); ``None`` without them."""
+        states, self._states = self._states, {}
+        W = ids.shape[1]
+        if len(states) != len(self.layers) or W < 3:
+            return None
+        aux = torch.cat([states[i][:, : W - 2].float() for i in self.layers], -1)
+        embeds = F.embedding(ids[:, 1: W - 1], self.policy.model.embed_tokens.weight.detach().float())
+        positions = torch.arange(W - 2, device=ids.device).expand(ids.shape[0], -1)
+        cos, sin = self.policy.model.rotary_emb(positions, torch.float32)
+        return self.head(aux, embeds, cos, sin, steps=self.steps)
+
     def train_on(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
         """One optimizer step on the micro-batch whose policy forward just ran.
 
         ``ids [b, W]`` (positions ``0..W-1``); ``mask [b, W-1]`` marks response tokens
         (``mask[:, t]``: token ``t+1``). Returns the first draft step's (loss summed over tokens,
         top-1 hits, tokens); every step up to ``steps`` is trained."""
-        states, self._states = self._states, {}
-        W = ids.shape[1]
-        if len(states) != len(self.layers) or W < 3:
+        step_logits = self.draft_logits(ids)
+        if step_logits is None:
             return 0.0, 0.0, 0.0
-        aux = torch.cat([states[i][:, : W - 2].float() for i in self.layers], -1)
-        embeds = F.embedding(ids[:, 1: W - 1], self.policy.model.embed_tokens.weight.detach().float())
-        positions = torch.arange(W - 2, device=ids.device).expand(ids.shape[0], -1)
-        cos, sin = self.policy.model.rotary_emb(positions, torch.float32)
-        target, m = ids[:, 2:W], mask[:, 1: W - 1].float()
-        step_logits = self.head(aux, embeds, cos, sin, steps=self.steps)
-        loss, first_ce = 0.0, None
+        target, m = ids[:, 2:], mask[:, 1:].float()
+        loss, first_loss = 0.0, 0.0
         for s, logits in enumerate(step_logits):
             ms = m.clone()
             ms[:, :s] = 0  # step s+1 drafts at t >= s only (it continues a chain begun s positions earlier)
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
             ce = ce.view_as(ms) * ms
-            first_ce = ce if first_ce is None else first_ce
+            if s == 0:
+                first_loss = float(ce.sum().detach())
             # A later step's draft counts only once the earlier ones are accepted: it weighs less.
             loss = loss + STEP_DECAY ** s * ce.sum() / ms.sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -76,7 +84,7 @@ class Eagle3Trainer(OnlineHead):
         self.optimizer.step()
         with torch.no_grad():
             correct = ((step_logits[0].argmax(-1) == target).float() * m).sum()
-        return float(first_ce.sum().detach()), float(correct), float(m.sum())
+        return first_loss, float(correct), float(m.sum())
 
     # --- checkpoints ------------------------------------------------------------------------
     def save(self, folder: Path) -> Path:
