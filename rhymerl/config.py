@@ -167,7 +167,7 @@ class TrainerSection:
     save_every: int = 20  # steps between checkpoints (0: the last step only)
     eval_every: int = 20  # steps between held-out evaluations (0: the last step only)
     max_bad_steps: int = 3
-    output_dir: str = "runs/{task}-seed{seed}"
+    output_dir: str = "runs/{task}-seed{seed}-{engine}"  # {engine}: rollout.engine
     # Trainer ranks joined by torch.distributed (gloo on CPU, nccl on CUDA). 1: the update runs
     # in the controller's process; N > 1: N ranks, local processes or Ray actors as
     # rollout.backend / cluster.address say, started by the run itself (no torchrun).
@@ -404,7 +404,7 @@ def _validate_vllm(cfg: RunConfig) -> None:
 def _validate(cfg: RunConfig) -> None:
     from rhymerl.tasks import TASKS
 
-    flat = _flatten(cfg.to_dict())
+    flat = flatten(cfg.to_dict())
     for key, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: must be a finite number, got {value}")
@@ -479,12 +479,12 @@ def _ranges() -> dict[str, tuple[str, Any]]:
 RANGES = _ranges()
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out

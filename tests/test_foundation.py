@@ -313,10 +313,10 @@ def test_no_module_imports_from_a_floor_above_it():
 def test_the_config_reference_lists_every_key_and_docs_config_md_is_current():
     from pathlib import Path
 
-    from rhymerl.config import _flatten, RunConfig
+    from rhymerl.config import flatten, RunConfig
     from rhymerl.config_reference import markdown, reference
 
-    assert [k for k, *_ in reference()] == list(_flatten(RunConfig().to_dict()))
+    assert [k for k, *_ in reference()] == list(flatten(RunConfig().to_dict()))
     doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert doc.read_text() == markdown(), "docs/config.md is stale: rhymerl config --markdown > docs/config.md"
 

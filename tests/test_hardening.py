@@ -235,14 +235,49 @@ def test_torn_jsonl_lines_and_config_on_resume(base_model, tmp_path, caplog):
         train(resume=str(run), progress=False)
 
 
-def test_config_is_not_rewritten_when_a_run_continues(base_model, tmp_path):
+def test_a_continued_run_keeps_its_settings(base_model, tmp_path):
+    """A run folder runs on its own config.yaml: a changed learning key is refused naming it
+    (implicitly or with --resume), nothing is trained; trainer.steps raised extends the run to a
+    run configured with that many steps from the start, and config.yaml records it."""
+    from rhymerl.training.rl import train
+
+    ref = tmp_path / "ref"
+    train(load_config(None, rl_overrides(base_model, ref) + ["trainer.steps=3"]), progress=False)
+    run = tmp_path / "run"
+    train(load_config(None, rl_overrides(base_model, run) + ["trainer.steps=2"]), progress=False)
+    before, rows = (run / "config.yaml").read_text(), learning_metrics(run)
+    changed = rl_overrides(base_model, run) + ["trainer.steps=3", "trainer.lr=0.5", "rollout.temperature=0.3"]
+    with pytest.raises(ConfigError, match=r"other settings.*rollout\.temperature: 0\.7 -> 0\.3, "
+                                          r"trainer\.lr: 0\.001 -> 0\.5\..*trainer\.output_dir.*--resume"):
+        train(load_config(None, changed), progress=False)
+    with pytest.raises(ConfigError, match=r"trainer\.lr: 0\.001 -> 0\.5"):
+        train(resume=str(run), resume_overrides=["trainer.lr=0.5"], progress=False)
+    with pytest.raises(ConfigError, match=r"trainer\.steps: 2 -> 1 is below the step"):
+        train(resume=str(run), resume_overrides=["trainer.steps=1"], progress=False)
+    assert (run / "config.yaml").read_text() == before and learning_metrics(run) == rows
+    # placement keys may change (used for that session alone); trainer.steps extends the run
+    train(load_config(None, rl_overrides(base_model, run) + ["trainer.steps=3", "reward.workers=2"]),
+          progress=False)
+    assert load_config(run / "config.yaml").trainer.steps == 3
+    assert load_config(run / "config.yaml").reward.workers == load_config(None, rl_overrides(base_model, run)).reward.workers
+    assert learning_metrics(run) == learning_metrics(ref)
+
+
+def test_a_cosine_run_is_not_extended(base_model, tmp_path):
     from rhymerl.training.rl import train
 
     run = tmp_path / "run"
-    train(load_config(None, rl_overrides(base_model, run) + ["trainer.steps=1"]), progress=False)
-    before = (run / "config.yaml").read_text()
-    train(load_config(None, rl_overrides(base_model, run) + ["trainer.steps=2", "trainer.lr=0.5"]), progress=False)
-    assert (run / "config.yaml").read_text() == before
+    cosine = rl_overrides(base_model, run) + ["trainer.lr_schedule=cosine"]
+    train(load_config(None, cosine + ["trainer.steps=1"]), progress=False)
+    with pytest.raises(ConfigError, match=r"trainer\.steps: 1 -> 2 cannot extend .*cosine"):
+        train(resume=str(run), resume_overrides=["trainer.steps=2"], progress=False)
+
+
+def test_each_engine_has_its_own_default_run_folder():
+    from rhymerl.training.rl import run_dir_for
+
+    native, vllm = run_dir_for(load_config()), run_dir_for(load_config(None, ["rollout.engine=vllm"]))
+    assert native != vllm and native.name.endswith("-native") and vllm.name.endswith("-vllm")
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(base_model, tmp_path, caplog):

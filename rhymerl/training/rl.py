@@ -49,6 +49,7 @@ from rhymerl.training.inputs import check_inputs, record_inputs, with_absolute_p
 from rhymerl.training.metrics import MetricsLogger, plot_run
 from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
 from rhymerl.training.policy_versions import InFlight, PolicyVersions
+from rhymerl.training.run_settings import continued_config, read_run_config
 from rhymerl.training.sft import CARD, ensure_base_model, sft_output_dir
 from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, engine_logp_gap, merge_counts, step_metrics
 from rhymerl.training.summary import print_summary, summarize
@@ -63,7 +64,7 @@ def rollout_seed(seed: int, step: int, key: str) -> int:
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
-    return Path(cfg.trainer.output_dir.format(task=cfg.data.task, seed=cfg.seed))
+    return Path(cfg.trainer.output_dir.format(task=cfg.data.task, seed=cfg.seed, engine=cfg.rollout.engine))
 
 
 class RewardFunctionError(RuntimeError):
@@ -707,27 +708,17 @@ def _every(step: int, period: int) -> bool:
     return period > 0 and step % period == 0
 
 
-# Where a run executes, not what it learns: these may change when a run is resumed (for
-# example on another number of trainer ranks: the sharded checkpoint is resharded).
-RESUME_OVERRIDES = ("trainer.world_size", "trainer.strategy", "trainer.collective_timeout_s",
-                    "trainer.rank_timeout_s", "rollout.workers", "rollout.backend", "rollout.worker_timeout_s",
-                    "reward.workers", "cluster.address", "model.device")
-
-
 def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> RunConfig:
-    """A run folder's own config: missing or empty is an error, never the defaults.
-    ``overrides`` may change only the placement keys of :data:`RESUME_OVERRIDES`."""
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        raise ConfigError(f"{path}: missing (not a run folder, or its config was deleted); cannot resume")
-    if not path.read_text().strip():
-        raise ConfigError(f"{path}: empty; a run's config is never empty, refusing to resume on the defaults")
-    for o in overrides or []:
-        key = o.split("=", 1)[0].strip()
-        if key not in RESUME_OVERRIDES:
-            raise ConfigError(f"{key}: cannot change when resuming {run_dir} (it would change what is learned); "
-                              f"keys that may change: {list(RESUME_OVERRIDES)}")
-    return load_config(path, overrides)
+    """A run folder's own config, with the ``key=value`` changes a later session may make
+    (:mod:`.run_settings`: placement keys, a raised ``trainer.steps``); any other is refused."""
+    own = read_run_config(run_dir)
+    wanted = load_config(run_dir / "config.yaml", overrides) if overrides else own
+    return continued_config(run_dir, wanted, _checkpoint_step(run_dir), how="--resume")
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    ckpt = latest_checkpoint(run_dir)
+    return int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
 
 
 def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_path: str | None = None,
@@ -739,6 +730,8 @@ def train(cfg: RunConfig | None = None, *, resume: str | None = None, config_pat
         cfg = cfg or load_config()
         run_dir = run_dir_for(cfg)
         if latest_checkpoint(run_dir) is not None:
+            cfg = continued_config(run_dir, with_absolute_paths(cfg), _checkpoint_step(run_dir),
+                                   how="it already has checkpoints")
             print(f"{run_dir} already has checkpoints: continuing it (use another trainer.output_dir to start anew)")
     run = RLRun(cfg, run_dir, progress=progress, accept_changed_inputs=accept_changed_inputs)
     try:
