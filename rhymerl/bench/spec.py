@@ -116,7 +116,8 @@ def default_draft_head() -> str | None:
 def run(json_path: str | None = None, *, model: str | None = None, draft_model: str | None = None,
         draft_head: str | None = None, prompts: int = 32, n: int = 8, epochs=(1, 3), max_num_seqs: int = 64,
         max_tokens: int = 160, temperatures=(1.0, 0.6), gates=(False, True), methods=METHODS,
-        max_draft: int = 16, reps: int = 5, quick: bool = False) -> dict[str, Any]:
+        max_draft: int = 16, reps: int = 5, quick: bool = False, dtype: str = "float32",
+        task_cfg=None) -> dict[str, Any]:
     """Rows per temperature, measured epoch, gate (off: every drafter drafts all it finds, so
     tokens per forward measure the sources alone; on: the batch gate decides from this
     machine's measured costs) and method."""
@@ -125,8 +126,12 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
     from rhymerl.model import load_pretrained
     from rhymerl.training.sft import ensure_draft_model
 
+    from rhymerl.device import resolve_device, resolve_dtype
+
     model = model or _default_model()
-    cfg = load_config()
+    cfg = task_cfg or load_config()
+    # Targets load where the engines run: a draft model is placed beside its target.
+    device, torch_dtype = resolve_device("auto"), resolve_dtype(dtype)
     if draft_model is None:
         draft_model = str(ensure_draft_model(cfg))
     if draft_head is None:
@@ -144,7 +149,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
             return [SamplingParams(n=n, temperature=temp, max_tokens=max_tokens, seed=hash((int(k), ep)) % (1 << 31))
                     for k in keys]
 
-        base = LLM(model, max_num_seqs=max_num_seqs, max_model_len=256)
+        base = LLM(model, max_num_seqs=max_num_seqs, max_model_len=256, dtype=dtype)
         stores: dict[int, HistoryStore] = {1: HistoryStore(max_rollouts=1)}
         per_epoch: list[list[list[list[int]]]] = []
         store = HistoryStore(max_rollouts=1)
@@ -162,7 +167,8 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
                 out_rows += _measure(model, rows, keys, params(ep), ep, stores[ep], per_epoch[ep - 1], temp=temp,
                                      gate=gate, methods=methods, max_draft=max_draft, max_num_seqs=max_num_seqs,
                                      draft_model=draft_model, draft_head=draft_head, reps=reps if gate else 1,
-                                     target_loader=lambda: load_pretrained(model))
+                                     target_loader=lambda: load_pretrained(model, device=device, dtype=torch_dtype),
+                                     dtype=dtype)
         if len(per_epoch) >= 2:
             prev, cur = per_epoch[-2], per_epoch[-1]
             sim_rows.append({
@@ -186,7 +192,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
 def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParams], epoch: int,
              store: HistoryStore, reference: list[list[list[int]]], *, temp: float, gate: bool, methods,
              max_draft: int, max_num_seqs: int, draft_model: str | None, draft_head: str | None, reps: int,
-             target_loader) -> list[dict[str, Any]]:
+             target_loader, dtype: str = "float32") -> list[dict[str, Any]]:
     """Every method on one epoch's prompts and seeds (the same tokens as ``reference``)."""
     from rhymerl.tokenizer import load_tokenizer
 
@@ -200,7 +206,8 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
         except (ImportError, LookupError) as e:
             print(f"  T={temp} epoch {epoch} gate={gate} {method}: skipped ({e})")
             continue
-        llm = LLM(target, tokenizer=tokenizer, max_num_seqs=max_num_seqs, max_model_len=256, speculative=prop)
+        llm = LLM(target, tokenizer=tokenizer, max_num_seqs=max_num_seqs, max_model_len=256, speculative=prop,
+                  dtype=dtype)
         llm.generate([rows[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         engines[method] = (llm, prop)
 
