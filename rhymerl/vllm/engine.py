@@ -234,16 +234,19 @@ def check_model(model_path: str | Path) -> None:
                               f"vLLM's CPU attention runs (it runs {sizes}); use rollout.engine=native")
 
 
-def lossy_reason(spec: Mapping[str, Any] | None, statuses: list[str]) -> str | None:
-    """Why speculation at temperature > 0 must be refused on this engine (None: it is safe)."""
-    if spec is None or torch.cuda.is_available():  # the wrong kernel is the CPU build's alone
+def lossy_reason(spec: Mapping[str, Any] | None, statuses: list[Mapping[str, str]]) -> str | None:
+    """Why speculation at temperature > 0 must be refused on this engine (None: it is safe):
+    a worker whose rejection sampler's own expansion did not probe correct."""
+    if spec is None:
         return None
-    bad = [s for s in statuses if s in (sampler_fix.DISABLED, sampler_fix.UNKNOWN)]
+    bad = [s for s in statuses if s.get("probe") != sampler_fix.CORRECT]
     if not bad:
         return None
-    why = ("RHYMERL_VLLM_SAMPLER_FIX=0 keeps it" if bad[0] == sampler_fix.DISABLED else
-           "rhymerl's correction did not load in vLLM's worker (is VLLM_PLUGINS excluding 'rhymerl_sampler_fix'?)")
-    return ("this vLLM's CPU rejection sampler expands per-request temperature/top-k/top-p into uninitialised "
-            f"memory (vLLM issue #55005), so speculation at temperature > 0 samples another distribution; {why}. "
-            "Greedy decoding is unaffected; use temperature 0, no speculation, or rollout.engine=native")
-
+    plugin = bad[0].get("plugin")
+    why = ("RHYMERL_VLLM_SAMPLER_FIX=0 keeps it wrong" if plugin == sampler_fix.DISABLED else
+           "rhymerl's correction did not load in vLLM's worker (is VLLM_PLUGINS excluding 'rhymerl_sampler_fix'?)"
+           if plugin == sampler_fix.UNKNOWN else f"the correction's state there: {plugin}")
+    return (f"vLLM's rejection sampler expands per-request temperature/top-k/top-p wrongly in its worker "
+            f"(probe: {bad[0].get('probe')}; vLLM issue #55005 on CPU builds), so speculation at temperature > 0 "
+            f"would sample another distribution; {why}. Greedy decoding is unaffected; use temperature 0, no "
+            "speculation, or rollout.engine=native")

@@ -1,21 +1,32 @@
-"""HistoSpec inside vLLM: a ``custom_class`` speculative proposer that drafts from the history
-rhymerl writes (a prompt's responses of earlier epochs) and from the live samples of the same
-prompt, with the adaptive per-row draft length of :mod:`rhymerl.drafting`.
+"""HistoSpec inside vLLM: a ``custom_class`` speculative proposer that drafts from a prompt's
+responses of earlier epochs, from every response finished so far (any prompt's), and from the
+live samples of the same prompt (its own output included), with the adaptive per-row draft
+length of :mod:`rhymerl.drafting`.
 
-Any vLLM program can load it::
+Any vLLM program can load it, with one config line::
 
     LLM(path, speculative_config={"method": "custom_class",
                                   "model": "rhymerl.vllm.HistoSpecProposer",
-                                  "num_speculative_tokens": 8},
-        additional_config={"rhymerl": {"history": "RUN/checkpoints/step_000080/history.json.gz"}})
-    llm.generate(prompts, SamplingParams(..., extra_args={"prompt_key": "17"}))  # the data row's key
+                                  "num_speculative_tokens": 8})
+    llm.generate(prompts, SamplingParams(..., extra_args={"prompt_key": "17"}))  # optional
 
-``additional_config["rhymerl"]`` may also hold ``"speculative"``: a dict of
-:class:`rhymerl.drafting.SpecConfig` fields (``sources``, ``length_policy``, ``pattern_max``...).
-A request without a ``prompt_key`` is keyed by a hash of its prompt tokens
-(:func:`prompt_hash_key`). vLLM verifies every draft with its rejection sampler; this class only
-proposes, so what it drafts changes speed, never what is sampled (given a correct sampler:
-:mod:`rhymerl.vllm.sampler_fix`).
+It records history itself: each finished response goes under its prompt's key
+(``extra_args["prompt_key"]``, else a hash of the prompt's tokens: :func:`prompt_hash_key`), a
+prompt's rollout (its samples live together) is committed when its last sample finishes, and
+the last ``history_epochs`` rollouts per prompt are kept within a token budget, oldest first
+out. So an RL framework that calls ``generate`` over the same prompts epoch after epoch drafts
+from the earlier epochs with no code of ours in its loop. ``additional_config["rhymerl"]``:
+
+- ``history``: a history file a rhymerl run wrote (``RUN/checkpoints/step_N/history.json.gz``);
+- ``history_tokens``: the token budget (default :data:`HISTORY_TOKENS`);
+- ``record``: false turns self-recording off;
+- ``speculative``: :class:`rhymerl.drafting.SpecConfig` fields (``history_epochs``, ``sources``...).
+
+A rhymerl trainer pushes each prompt's history before its step (``put_history``): a pushed
+prompt's history replaces what was recorded for it. vLLM verifies every draft with its
+rejection sampler; this class only proposes, so what it drafts changes speed, never what is
+sampled, given a correct sampler: where the rejection sampler's expansion probes wrong
+(:mod:`rhymerl.vllm.sampler_fix`), requests at temperature > 0 get no drafts, with one warning.
 
 vLLM hands a custom proposer only its ``VllmConfig`` and, per step, the batch's token rows; the
 rows' request ids and sampling parameters live on the model runner that builds the proposer,
@@ -38,6 +49,7 @@ log = logging.getLogger(__name__)
 
 # Sources that draft from token occurrences (no model of their own): what runs inside vLLM.
 INDEX_SOURCES = ("prompt_history", "global_history", "siblings", "ngram")
+HISTORY_TOKENS = 10_000_000  # the recorded history's default token budget (about 0.4 GB as Python lists)
 
 
 def prompt_hash_key(prompt_ids) -> str:
@@ -85,32 +97,47 @@ class HistoSpecProposer:
         self.cfg = proposer_config(self.k, extra.get("speculative"))
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         vocab = int(vllm_config.model_config.get_vocab_size())
-        self.store = HistoryStore(max_rollouts=max(1, self.cfg.history_epochs))
+        budget = int(extra.get("history_tokens", HISTORY_TOKENS))
+        self.store = HistoryStore(max_rollouts=max(1, self.cfg.history_epochs), max_total_tokens=budget)
         if extra.get("history"):
-            self.store.replace_with(HistoryStore.load(extra["history"], vocab_size=vocab))
+            # Bounded like the store: a file never unzips past what its tokens could take as JSON.
+            self.store.replace_with(HistoryStore.load(extra["history"], vocab_size=vocab, max_total_tokens=budget,
+                                                      max_bytes=16 * budget + (1 << 20)))
             log.info("rhymerl history: %d prompts from %s", len(self.store), extra["history"])
+        self.recorder = Recorder(self.store) if extra.get("record", True) else None
         self.controller = SpecController(self.cfg, self.store)
         self.runner = runner if runner is not None else _find_runner()
         self._seqs: dict[str, Sequence] = {}
+        self._groups = _Groups()
         self._last: tuple[list[Sequence], list[str], list[int]] | None = None  # rows drafted last step
+        self._began = False  # a rhymerl trainer labels rollouts with its steps (begin)
+        self._sampler_ok: bool | None = None  # the rejection sampler's expansion probed correct here
         self.propose_s = 0.0  # time inside propose (vLLM's step waits for it)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's hook for drafters with weights: this one has none."""
 
-    # --- what the rollout worker pushes (through rhymerl.vllm.worker.RolloutExtension) ---------
+    # --- what the rollout worker pushes (through rhymerl.vllm.worker_extension.RolloutExtension) -
     def put_history(self, rows: list[tuple[str, list[int], list]]) -> None:
         """Make each ``(key, prompt_ids, rollouts)`` that prompt's whole history (``HistoryStore.export``)."""
         for key, prompt_ids, rollouts in rows:
             self.store.put(key, prompt_ids, rollouts)
 
     def begin(self, step: int) -> None:
+        self._began = True
         self.controller.begin(step)
 
     def counters(self) -> dict[str, float]:
         c = self.controller
         return {"drafted": sum(c.drafted_by_source.values()), "accepted": sum(c.accepted_by_source.values()),
                 "propose_s": self.propose_s, **c.counters()}
+
+    def live_state(self) -> dict[str, int]:
+        """Sizes of everything this proposer holds per request (a soak test reads them)."""
+        sib = next((s for s in self.controller.sources if s.name == "siblings"), None)
+        return {"seqs": len(self._seqs), "groups": len(self._groups.admitted),
+                "sibling_indices": len(getattr(sib, "_live", ())), "recording": len(self.recorder.open)
+                if self.recorder else 0, "history_tokens": self.store.total_tokens}
 
     # --- the per-step hook -----------------------------------------------------------------------
     def _sequence(self, req_id: str, row: int, tokens) -> Sequence:
@@ -123,7 +150,9 @@ class HistoSpecProposer:
         gid = hash(args.get("group", key))  # siblings share it; unique among live requests
         max_tokens = sp.max_tokens if sp is not None and sp.max_tokens else self.max_model_len
         size = int(args.get("group_size", 1))
-        seq = Sequence(gid, int(args.get("sample", 0)), prompt, SamplingParams(n=size, max_tokens=max_tokens),
+        temperature = float(sp.temperature or 0.0) if sp is not None else 0.0
+        seq = Sequence(gid, int(args.get("sample", 0)), prompt,
+                       SamplingParams(n=size, max_tokens=max_tokens, temperature=temperature),
                        0, str(key), status=Status.RUNNING, group_size=size)
         seq.limit = min(max_tokens, self.max_model_len - n_prompt)
         return seq
@@ -139,29 +168,8 @@ class HistoSpecProposer:
     def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         req_ids = list(self.runner.input_batch.req_ids)[: len(sampled_token_ids)]
         self._observe(sampled_token_ids, req_ids)
-        live = set(req_ids)
-        for gone in [r for r in self._seqs if r not in live]:  # finished or aborted since the last step
-            seq = self._seqs.pop(gone)
-            seq.status = Status.FINISHED
-            self.controller.on_finish(seq)
-        seqs, rows, new = [], [], []
-        for i, rid in enumerate(req_ids):
-            if not sampled_token_ids[i]:  # a partial prefill: nothing to continue yet
-                continue
-            n = int(num_tokens_no_spec[i])
-            if n >= self.max_model_len:
-                continue
-            seq = self._seqs.get(rid)
-            if seq is None:
-                seq = self._seqs[rid] = self._sequence(rid, i, token_ids_cpu[i])
-                new.append(seq)
-            have = len(seq.prompt_ids) + len(seq.output_ids)
-            if n > have:  # the list grows in place: live indices follow it
-                seq.output_ids.extend(int(t) for t in token_ids_cpu[i, have:n])
-            seqs.append(seq)
-            rows.append(i)
-        if new:
-            self.controller.on_admit(new)
+        self._retire(set(req_ids))
+        seqs, rows = self._rows(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, req_ids)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         if not seqs:
             return out
@@ -169,15 +177,68 @@ class HistoSpecProposer:
         if batch is None:
             self.controller.observe(seqs, [0] * len(seqs), [0] * len(seqs))
             return out
-        lengths = batch.lengths
-        toks = batch.tokens.tolist()
+        lengths, toks = batch.lengths, batch.tokens.tolist()
+        safe_at_temperature = self._sampler_is_correct()
         drafted = []
         for b, i in enumerate(rows):
-            d = lengths[b]
+            d = lengths[b] if safe_at_temperature or seqs[b].params.temperature == 0 else 0
             out[i] = toks[b][:d]
             drafted.append(d)
         self._last = (seqs, [req_ids[i] for i in rows], drafted)
         return out
+
+    def _retire(self, live: set[str]) -> None:
+        """Requests no longer in the batch: finished or aborted (gone from the runner) retire;
+        a preempted one (still the runner's) keeps its state for when it returns."""
+        requests = self.runner.requests
+        for gone in [r for r in self._seqs if r not in live and r not in requests]:
+            seq = self._seqs.pop(gone)
+            seq.status = Status.FINISHED
+            # The sibling index goes when its last member here retires, however many of the
+            # group's samples this engine ran (a migrated subset, or all of them).
+            seq.group_size = self._groups.retire(seq.request_id)
+            self.controller.on_finish(seq)
+            if self.recorder is not None:
+                self.recorder.finish(seq, self.controller.step if self._began else None)
+
+    def _rows(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+              req_ids: list[str]) -> tuple[list[Sequence], list[int]]:
+        """The batch's rows that can draft, their sequences brought up to date."""
+        seqs, rows, new = [], [], []
+        for i, rid in enumerate(req_ids):
+            if not sampled_token_ids[i]:  # a partial prefill: nothing to continue yet
+                continue
+            n = int(num_tokens_no_spec[i])
+            seq = self._seqs.get(rid)
+            if seq is None:
+                seq = self._seqs[rid] = self._sequence(rid, i, token_ids_cpu[i])
+                self._groups.admit(seq.request_id)
+                if self.recorder is not None:
+                    self.recorder.admit(seq)
+                new.append(seq)
+            have = len(seq.prompt_ids) + len(seq.output_ids)
+            if n > have:  # the list grows in place: live indices follow it
+                seq.output_ids.extend(int(t) for t in token_ids_cpu[i, have:n])
+            if n >= self.max_model_len:
+                continue
+            seqs.append(seq)
+            rows.append(i)
+        if new:
+            self.controller.on_admit(new)
+        return seqs, rows
+
+    def _sampler_is_correct(self) -> bool:
+        if self._sampler_ok is None:
+            from rhymerl.vllm import sampler_fix
+
+            probe = sampler_fix.probe_rejection_sampler(getattr(self.runner, "device", "cpu"))
+            self._sampler_ok = probe == sampler_fix.CORRECT
+            if not self._sampler_ok:
+                log.warning("rhymerl.vllm.HistoSpecProposer: this vLLM's rejection sampler expands per-request "
+                            "temperature/top-k/top-p wrongly (probe: %s; vLLM issue #55005 on CPU builds, corrected "
+                            "by rhymerl's vllm.general_plugins entry point where it loads): requests at temperature "
+                            "> 0 get no drafts here, so they sample the right distribution without speculation", probe)
+        return self._sampler_ok
 
     def _observe(self, sampled_token_ids: list[list[int]], req_ids: list[str]) -> None:
         """Tell the controller what vLLM accepted of last step's drafts: a row that was drafted
@@ -189,3 +250,55 @@ class HistoSpecProposer:
         emitted = {rid: len(t) for rid, t in zip(req_ids, sampled_token_ids)}
         accepted = [min(d, max(0, emitted.get(rid, 1) - 1)) if d else 0 for rid, d in zip(rids, drafted)]
         self.controller.observe(seqs, drafted, accepted)
+
+
+class _Groups:
+    """Per sibling group (a prompt's samples in one rollout): members admitted since its live
+    index was made, and members still running here."""
+
+    def __init__(self) -> None:
+        self.admitted: dict[int, int] = {}
+        self.alive: dict[int, int] = {}
+
+    def admit(self, gid: int) -> None:
+        self.admitted[gid] = self.admitted.get(gid, 0) + 1
+        self.alive[gid] = self.alive.get(gid, 0) + 1
+
+    def retire(self, gid: int) -> int:
+        """The group's size as the sibling source must count it: every member admitted here, so
+        its index is dropped exactly when the last of them retires."""
+        size = self.admitted.get(gid, 1)
+        self.alive[gid] = self.alive.get(gid, 1) - 1
+        if self.alive[gid] <= 0:
+            self.admitted.pop(gid, None)
+            self.alive.pop(gid, None)
+        return size
+
+
+class Recorder:
+    """Self-recorded history: a prompt's samples that run together make one rollout, committed to
+    the store (under the prompt's key) when the last of them finishes."""
+
+    def __init__(self, store: HistoryStore) -> None:
+        self.store = store
+        self.open: dict[str, tuple[list[int], int, list[list[int]]]] = {}  # key -> (prompt, live, responses)
+        self._label = 0
+
+    def admit(self, seq: Sequence) -> None:
+        prompt, live, responses = self.open.get(seq.prompt_key, (seq.prompt_ids, 0, []))
+        self.open[seq.prompt_key] = (prompt, live + 1, responses)
+
+    def finish(self, seq: Sequence, step: int | None) -> None:
+        """``step``: the trainer's step (its labels), or None (a label of this recorder's own)."""
+        got = self.open.get(seq.prompt_key)
+        if got is None:
+            return
+        prompt, live, responses = got
+        responses.append(list(seq.output_ids))
+        if live > 1:
+            self.open[seq.prompt_key] = (prompt, live - 1, responses)
+            return
+        del self.open[seq.prompt_key]
+        self._label += 1
+        label = step if step is not None else self._label
+        self.store.add(seq.prompt_key, prompt, responses, label)

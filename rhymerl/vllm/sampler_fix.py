@@ -10,9 +10,13 @@ and the bonus token are unaffected.
 :func:`register` is a ``vllm.general_plugins`` entry point (``pyproject.toml``): vLLM runs it
 in each process before the CPU platform registers its kernel overrides. It probes the
 installed implementation on a small input and replaces it only when the probe shows the bug,
-so a fixed vLLM is left alone. :func:`status` says what happened in this process; the rollout
-engine asks every vLLM worker for it and refuses speculation at temperature > 0 where the
-sampler is still wrong (:func:`rhymerl.vllm.engine.check_sampler`).
+so a fixed vLLM is left alone. :func:`status` says what the plugin did in this process.
+
+What decides is :func:`probe_rejection_sampler`: it runs the expansion the rejection sampler
+itself calls (``rejection_sampler.expand_batch_to_tokens``, whatever kernel it dispatches to),
+in the worker, after the model loads. The rollout engine refuses speculation at temperature > 0
+on a worker whose probe is not :data:`CORRECT` (:func:`rhymerl.vllm.engine.lossy_reason`), and
+:class:`rhymerl.vllm.HistoSpecProposer` drafts nothing for such requests there.
 
 ``RHYMERL_VLLM_SAMPLER_FIX=0`` turns the correction off (the test that shows it matters).
 """
@@ -27,6 +31,10 @@ FIXED = "fixed"  # the installed kernel was wrong; this module's replacement is 
 NOT_NEEDED = "not-needed"  # the installed kernel (or Triton) expands correctly
 DISABLED = "disabled"  # wrong, and RHYMERL_VLLM_SAMPLER_FIX=0 kept it
 UNKNOWN = "unknown"  # this process never ran the plugin (VLLM_PLUGINS excluded it?)
+
+# What the rejection sampler's own expansion does here (probe_rejection_sampler).
+CORRECT = "correct"
+WRONG = "wrong"
 
 _status = UNKNOWN
 replaced = None  # the implementation as installed, where this module replaced it
@@ -95,3 +103,22 @@ def register() -> None:
 def status() -> str:
     """This process's sampler state: :data:`FIXED`, :data:`NOT_NEEDED`, :data:`DISABLED` or :data:`UNKNOWN`."""
     return _status
+
+
+def probe_rejection_sampler(device: str | torch.device = "cpu") -> str:
+    """:data:`CORRECT`, :data:`WRONG` or :data:`UNKNOWN` (the function is missing or fails):
+    whether the rejection sampler's per-request expansion, as it runs in this process, writes
+    the right values for int32 and float32 inputs (what temperature, top-k and top-p go through)."""
+    try:
+        from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+    except ImportError:
+        return UNKNOWN
+    try:
+        cu = torch.tensor([2, 5], dtype=torch.int32, device=device)
+        for dtype, vals in ((torch.int32, [7, 9]), (torch.float32, [0.5, 2.0])):
+            got = expand_batch_to_tokens(torch.tensor(vals, dtype=dtype, device=device), cu, 5)
+            if got.cpu().tolist() != [vals[0]] * 2 + [vals[1]] * 3:
+                return WRONG
+    except Exception:  # noqa: BLE001 - a kernel that cannot run is not known to be right
+        return UNKNOWN
+    return CORRECT

@@ -117,7 +117,10 @@ class RolloutExtension:
         p = self._rhymerl_proposer()
         return p.counters() if p is not None else {}
 
-    def rhymerl_sampler_status(self) -> str:
+    def rhymerl_sampler_status(self) -> dict[str, str]:
+        """What the plugin did in this worker, and the probe of the expansion the rejection
+        sampler here actually calls (on this worker's device)."""
         from rhymerl.vllm import sampler_fix
 
-        return sampler_fix.status()
+        return {"plugin": sampler_fix.status(),
+                "probe": sampler_fix.probe_rejection_sampler(self.model_runner.device)}

@@ -1,0 +1,196 @@
+"""HistoSpecProposer driven as vLLM's model runner drives it, without vLLM: a stand-in runner
+holds the batch's requests, and a stand-in verifier accepts the part of each draft that matches
+the request's own response. What runs here is the proposer's bookkeeping: memory that stays
+flat over long runs (split groups included), history it records itself, the sampler check."""
+from __future__ import annotations
+
+import random
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rhymerl.vllm.proposer import HistoSpecProposer
+
+VOCAB, MAX_LEN = 50, 96
+
+
+class Runner:
+    """What the proposer reads of vLLM's GPUModelRunner: requests, the persistent batch."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0, dtype=np.int64))
+        self.device = "cpu"
+
+
+def proposer(runner: Runner, k: int = 6, **rhymerl) -> HistoSpecProposer:
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                          additional_config={"rhymerl": rhymerl},
+                          model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: VOCAB))
+    p = HistoSpecProposer(cfg, runner=runner)
+    p._sampler_ok = True  # the stand-in verifier is exact; the probe has its own test
+    return p
+
+
+class Engine:
+    """Requests run to their fixed responses; each step a row emits 1 token plus the drafted
+    tokens that match what follows (an exact verifier of a deterministic 'model')."""
+
+    def __init__(self, prop: HistoSpecProposer, runner: Runner, max_rows: int = 16) -> None:
+        self.prop, self.runner, self.max_rows = prop, runner, max_rows
+        self.live: dict[str, dict] = {}  # rid -> {prompt, target, out, draft}
+        self.waiting: list[tuple[str, dict]] = []
+        self.serial = 0
+        self.forwards = self.tokens = 0
+
+    def add(self, prompt: list[int], target: list[int], key: str | None, group: str, size: int, sample: int,
+            temperature: float = 1.0) -> None:
+        self.serial += 1
+        rid = f"r{self.serial}"
+        extra = {"group": group, "group_size": size, "sample": sample}
+        if key is not None:
+            extra["prompt_key"] = key
+        self.runner.requests[rid] = SimpleNamespace(sampling_params=SimpleNamespace(
+            extra_args=extra, max_tokens=len(target), temperature=temperature))
+        self.waiting.append((rid, {"prompt": prompt, "target": target, "out": [], "draft": []}))
+
+    def step(self) -> None:
+        while self.waiting and len(self.live) < self.max_rows:
+            rid, r = self.waiting.pop(0)
+            self.live[rid] = r
+        sampled = []
+        for rid, r in self.live.items():
+            pos, target, emit = len(r["out"]), r["target"], []
+            for t in r["draft"]:  # the draft continues the tokens so far: its matching prefix
+                if pos + len(emit) < len(target) and t == target[pos + len(emit)]:
+                    emit.append(t)
+                else:
+                    break
+            if pos + len(emit) < len(target):  # and the verifier's own next token
+                emit.append(target[pos + len(emit)])
+            r["out"] += emit
+            sampled.append(emit)
+            self.tokens += len(emit)
+        self.forwards += len(self.live)  # row forwards: tokens per forward is per request
+        rids = list(self.live)
+        rows = np.zeros((max(1, len(rids)), MAX_LEN), dtype=np.int64)
+        counts = []
+        for i, rid in enumerate(rids):
+            ids = self.live[rid]["prompt"] + self.live[rid]["out"]
+            rows[i, :len(ids)] = ids
+            counts.append(len(ids))
+        self.runner.input_batch.req_ids = rids
+        self.runner.input_batch.num_prompt_tokens = np.array([len(self.live[r]["prompt"]) for r in rids])
+        drafts = self.prop.propose(sampled, counts, rows) if rids else []
+        for rid, d in zip(rids, drafts):
+            self.live[rid]["draft"] = list(d)
+        for rid in [r for r in rids if len(self.live[r]["out"]) >= len(self.live[r]["target"])]:
+            del self.live[rid]  # finished: gone from the runner before the next step
+            del self.runner.requests[rid]
+
+    def run(self) -> float:
+        f0, t0 = self.forwards, self.tokens
+        while self.live or self.waiting:
+            self.step()
+        return (self.tokens - t0) / max(1, self.forwards - f0)
+
+
+def task(seed: int, prompts: int = 24):
+    """Prompts whose responses rhyme across epochs: each epoch's response is the prompt's base
+    response with a few tokens redrawn."""
+    rng = random.Random(seed)
+    base = {f"p{j}": ([rng.randrange(3, VOCAB) for _ in range(6)], [rng.randrange(3, VOCAB) for _ in range(40)])
+            for j in range(prompts)}
+
+    def epoch(e: int, j: int, sample: int) -> list[int]:
+        r = random.Random(hash((seed, e, j, sample)))
+        resp = list(base[f"p{j}"][1])
+        for _ in range(3):
+            resp[r.randrange(len(resp))] = r.randrange(3, VOCAB)
+        return resp
+    return base, epoch
+
+
+def run_epoch(eng: Engine, base, epoch, e: int, n: int = 4, keyed: bool = True) -> float:
+    for j, (key, (prompt, _)) in enumerate(base.items()):
+        for i in range(n):
+            eng.add(prompt, epoch(e, j, i), key if keyed else None, f"{e}:{key}", n, i)
+    return eng.run()
+
+
+def test_the_proposer_records_its_own_history_and_drafts_from_it_next_epoch():
+    """No history file, no trainer: epochs of the same prompts, keyed by name or by a hash of
+    their tokens. From the second epoch on, the proposer drafts from what it recorded (as much
+    as from the same history pushed); with recording off it cannot."""
+    base, epoch = task(0)
+    rates = {}
+    for name, kw, keyed in (("self", {}, True), ("self_hashed", {}, False), ("off", {"record": False}, True)):
+        runner = Runner()
+        eng = Engine(proposer(runner, **kw), runner)
+        rates[name] = [run_epoch(eng, base, epoch, e, keyed=keyed) for e in (1, 2, 3)]
+    runner = Runner()
+    pushed = proposer(runner, record=False)
+    eng = Engine(pushed, runner)
+    for e in (1, 2):
+        pushed.put_history([(k, p, [(e, [epoch(e, j, i) for i in range(4)], [None] * 4)])
+                            for j, (k, (p, _)) in enumerate(base.items())])
+        rates.setdefault("pushed", []).append(run_epoch(eng, base, epoch, e + 1))
+    assert rates["self"][2] > 1.5 * rates["off"][2], rates
+    assert rates["self_hashed"][2] > 1.5 * rates["off"][2], rates
+    assert rates["self"][2] >= 0.9 * rates["pushed"][1], rates
+    assert rates["self"][0] < rates["self"][1], rates
+
+
+def test_proposer_memory_stays_flat_over_a_thousand_steps_with_split_groups():
+    """1,000+ steps of requests coming and going, a third of the groups arriving as a subset of
+    their samples (as after a migration): per-request state stays bounded by what is live, the
+    recorded history by its token budget, and the process's allocations flat."""
+    runner = Runner()
+    prop = proposer(runner, history_tokens=5_000, speculative={"history_epochs": 2})
+    eng = Engine(prop, runner, max_rows=12)
+    rng = random.Random(1)
+    base, epoch = task(1, prompts=60)
+    keys = list(base)
+    steps, peak, mem = 0, {}, []
+    tracemalloc.start()
+    try:
+        e = 0
+        while steps < 1200:
+            e += 1
+            for _ in range(4):
+                j = rng.randrange(len(keys))
+                n = 4
+                subset = range(n) if rng.random() > 0.33 else rng.sample(range(n), 2)  # a migrated subset
+                for i in subset:
+                    eng.add(base[keys[j]][0], epoch(e, j, i)[:rng.randrange(5, 40)], keys[j], f"{e}:{j}", n, i)
+            while eng.live or eng.waiting:
+                eng.step()
+                steps += 1
+                for k, v in prop.live_state().items():
+                    peak[k] = max(peak.get(k, 0), v)
+            if steps > 300:
+                mem.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    runner.input_batch.req_ids = []
+    prop.propose([], [], np.zeros((0, MAX_LEN), dtype=np.int64))  # the next step retires the last batch
+    state = prop.live_state()
+    assert state["seqs"] == state["groups"] == state["sibling_indices"] == state["recording"] == 0, state
+    assert peak["seqs"] <= 12 and peak["sibling_indices"] <= 12, peak
+    assert peak["history_tokens"] <= 5_000, peak
+    assert max(mem) - min(mem) < 2_000_000, (min(mem), max(mem))
+
+
+def test_no_drafts_at_temperature_where_the_sampler_is_not_known_correct():
+    base, epoch = task(2, prompts=4)
+    runner = Runner()
+    prop = proposer(runner, record=True)
+    eng = Engine(prop, runner)
+    run_epoch(eng, base, epoch, 1)
+    prop._sampler_ok = False
+    assert run_epoch(eng, base, epoch, 2) == pytest.approx(1.0)  # T=1: nothing drafted
+    for j, (key, (prompt, _)) in enumerate(base.items()):
+        eng.add(prompt, epoch(2, j, 0), key, f"g:{key}", 1, 0, temperature=0.0)
+    assert eng.run() > 1.2  # greedy requests still draft
