@@ -146,11 +146,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rhymerl.distribution.work import WorkerLost
     from rhymerl.rewards.pool import RewardLoadError
     from rhymerl.training.checkpoint import CheckpointError
+    from rhymerl.training.engine_checks import LogpGapError
+    from rhymerl.training.policy_versions import RolloutTimeout
+    from rhymerl.vllm.engine import LossySamplerError, VllmUnavailable, WeightSyncError
     from rhymerl.training.rl import RewardFunctionError
     from rhymerl.training.trainer_group import TrainerRankError
 
     return (ConfigError, DatasetError, CheckpointError, RewardFunctionError, RewardLoadError, TrainerRankError,
-            WorkerLost, InsecureClusterError)
+            WorkerLost, InsecureClusterError, LogpGapError, RolloutTimeout, VllmUnavailable, LossySamplerError,
+            WeightSyncError)
 
 
 def main(argv: list[str] | None = None) -> int:

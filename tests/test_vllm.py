@@ -346,6 +346,27 @@ def test_weights_synced_into_running_vllm_give_the_trainers_logprobs(engines, ti
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_push_that_skips_a_layer_is_refused_naming_it(engines, tiny):
+    """The push counts what vLLM loaded, not what was sent: a policy push missing one layer's
+    weight stops with that parameter named (the engine would sample from mixed weights)."""
+    from rhymerl.distribution.vllm_worker import VllmRolloutWorker
+    from rhymerl.distribution.work import WorkerSpec
+    from rhymerl.model import load_pretrained
+    from rhymerl.vllm.engine import WeightSyncError
+
+    path, _ = tiny
+    worker = VllmRolloutWorker(WorkerSpec(path, engine="vllm"), engine=engines.get("plain"))
+    named = dict(load_pretrained(path).named_parameters())
+    try:
+        partial = {n: t for n, t in named.items() if n != "model.layers.1.mlp.down_proj.weight"}
+        with pytest.raises(WeightSyncError, match=r"layers\.1\.mlp\.down_proj\.weight"):
+            worker.update_weights(partial)
+    finally:
+        worker.update_weights(named)  # whole: accepted
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_can_be_pushed(engines, tiny, tmp_path):
     """vLLM's Eagle3 drafter reads the policy's embedding: after a policy sync it holds the new one
     (the staleness RL users report when a drafter keeps a copy); the head's own weights are pushed
@@ -585,6 +606,37 @@ def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base
             assert r["rollout/logp_gap_max"] < 1e-3, r
     assert sum("rollout/logp_gap_max" in r for r in rows) >= 2
     assert max(r["spec/accepted_per_forward"] for r in rows[2:]) > 1.0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_run_whose_engine_samples_with_other_weights_stops_at_that_step(vllm_base, tmp_path, monkeypatch):
+    """The log-prob gap is enforced: pushes that silently leave one layer stale from the second
+    sync on (the load check switched off, as a vLLM that misreports would) stop the run at the
+    first step sampled on them, naming it; the steps before were trained and checkpointed."""
+    import rhymerl.vllm.engine as vllm_engine
+    from rhymerl.training.engine_checks import LogpGapError
+    from rhymerl.training.metrics import read_metrics
+    from rhymerl.training.rl import train
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    pushes = []
+    load = vllm_engine.VllmEngine.load_weights
+
+    def stale_layer(self, hf_named):
+        pushes.append(len(pushes))
+        if len(pushes) > 1:
+            hf_named = {n: t for n, t in hf_named.items() if n != "model.layers.1.mlp.down_proj.weight"}
+        return load(self, hf_named)
+
+    monkeypatch.setattr(vllm_engine, "check_loaded", lambda results, what: None)
+    monkeypatch.setattr(vllm_engine.VllmEngine, "load_weights", stale_layer)
+    run = tmp_path / "run"
+    with pytest.raises(LogpGapError, match=r"step 2: vllm's sampling log-probs differ .*\(rollout\.max_logp_gap=0\.01"):
+        train(load_config(None, rl_overrides(vllm_base, run) + VLLM_TINY + [
+            "rollout.engine=vllm", "trainer.eval_every=0", "algorithm.entropy_coef=0.5", "trainer.lr=0.05"]),
+              progress=False)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1]
 
 
 @needs_vllm

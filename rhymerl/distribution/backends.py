@@ -391,8 +391,6 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads
     """
     import ray
 
-    if ray.is_initialized():
-        return
     disabled = os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled"
 
     def refuse_or_warn() -> None:
@@ -403,21 +401,31 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, threads
                                        "cluster.allow_insecure=true to run anyway")
         log.warning("%s; running anyway (cluster.allow_insecure=true)", why)
 
-    if disabled:
-        refuse_or_warn()  # before a local cluster opens its ports
-    if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+    started = False
+    if not ray.is_initialized():  # Ray started before the run (by the user's program) is checked too
+        if disabled:
+            refuse_or_warn()  # before a local cluster opens its ports
+        if address:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+        started = True
+    if not ray_authenticated():  # off some other way (Ray's own config): known only once connected
+        try:
+            refuse_or_warn()
+        except InsecureClusterError:
+            if started:
+                ray.shutdown()
+            raise
+
+
+def ray_authenticated() -> bool:
+    """Whether the connected Ray cluster authenticates its clients: any mode but disabled (token,
+    or the Kubernetes token mode of newer Ray versions)."""
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
-    if not disabled and get_authentication_mode() != AuthenticationMode.TOKEN:
-        try:
-            refuse_or_warn()  # off some other way (Ray's own config): known only once connected
-        except InsecureClusterError:
-            ray.shutdown()
-            raise
+    return get_authentication_mode() != AuthenticationMode.DISABLED
 
 
 class RayPool(WorkerPool):

@@ -19,6 +19,10 @@ from rhymerl.training.batch import ScoredRollout
 Weights = dict[str, torch.Tensor]
 
 
+class RolloutTimeout(RuntimeError):
+    """The batch generating in the background did not finish within ``trainer.rollout_wait_s``."""
+
+
 class InFlight:
     """A rollout running in a background thread (async RL), or done (restored from a checkpoint)."""
 
@@ -124,8 +128,8 @@ class PolicyVersions:
         if self.inflight is not None:
             self.inflight.join(self.wait_s)
             if self.inflight.thread is not None and self.inflight.thread.is_alive():
-                raise RuntimeError(f"the rollout of step {self.inflight.step} did not finish within {self.wait_s:.0f}s "
-                                   "(trainer.rollout_wait_s); the run stops, resume it with --resume")
+                raise RolloutTimeout(f"the rollout of step {self.inflight.step} did not finish within "
+                                     f"{self.wait_s:.0f}s (trainer.rollout_wait_s); the run stops, resume it with --resume")
 
     def close(self, timeout: float) -> None:
         """Never stop the workers under a running rollout: wait for it (bounded)."""

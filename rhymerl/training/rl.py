@@ -44,6 +44,7 @@ from rhymerl.training.checkpoint import (
     load_checkpoint_into,
     save_checkpoint,
 )
+from rhymerl.training.engine_checks import check_logp_gap, max_logp_gap
 from rhymerl.training.evaluate import evaluate
 from rhymerl.training.inputs import check_inputs, record_inputs, with_absolute_paths
 from rhymerl.training.metrics import MetricsLogger, plot_run
@@ -321,6 +322,9 @@ class RLRun:
             res = self._advantages(exp, scores, [len(r) for r in responses], groups, batch.version, step)
             if sampled is not None:
                 res.metrics.update(engine_logp_gap(exp.old_logp, sampled, exp.response_mask))
+                check_logp_gap(res.metrics["rollout/logp_gap_max"],
+                               max_logp_gap(self.cfg.rollout.max_logp_gap, self.cfg.model.dtype), step,
+                               self.cfg.rollout.engine)
             t = time.perf_counter()
             res.metrics.update(self.trainer.update(exp, step, self.cfg.seed))
             res.update_s = time.perf_counter() - t

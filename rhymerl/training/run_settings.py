@@ -24,7 +24,7 @@ from rhymerl.config import ConfigError, RunConfig, flatten, load_config, save_co
 # example on another number of trainer ranks: the sharded checkpoint is resharded).
 PLACEMENT_KEYS = ("trainer.world_size", "trainer.strategy", "trainer.collective_timeout_s",
                   "trainer.rank_timeout_s", "trainer.rollout_wait_s", "rollout.workers", "rollout.backend",
-                  "rollout.worker_timeout_s", "reward.workers", "cluster.address", "model.device")
+                  "rollout.worker_timeout_s", "rollout.max_logp_gap", "reward.workers", "cluster.address", "model.device")
 EXTENSIBLE = "trainer.steps"
 
 

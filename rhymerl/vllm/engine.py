@@ -33,6 +33,20 @@ class VllmUnavailable(RuntimeError):
     """vLLM is not installed, or cannot run what was asked of it here."""
 
 
+class WeightSyncError(RuntimeError):
+    """A weight push that vLLM did not load whole: the engine would sample from a mix of weights."""
+
+
+def check_loaded(results: list[dict[str, Any]], what: str) -> None:
+    """Every worker loaded every parameter of ``what`` (its ``missing`` list is empty)."""
+    for rank, r in enumerate(results):
+        if r.get("missing"):
+            raise WeightSyncError(f"{what} push into vLLM (worker {rank}): {r['sent']} tensors sent, but these "
+                                  f"parameters were not loaded: {r['missing'][:8]}"
+                                  f"{' ...' if len(r['missing']) > 8 else ''}; the engine would sample from a mix "
+                                  "of old and new weights (are the weight names the model's?)")
+
+
 class LossySamplerError(RuntimeError):
     """Speculation at temperature > 0 on a vLLM whose rejection sampler is known to be wrong."""
 
@@ -187,7 +201,7 @@ class VllmEngine:
         # vLLM's CPU backend repacks lm_head into a weight of its own even when tied: it must be sent.
         if self.tied and "lm_head.weight" not in blob and "model.embed_tokens.weight" in blob:
             blob["lm_head.weight"] = blob["model.embed_tokens.weight"].clone()
-        self._rpc("rhymerl_load_weights", save(blob))
+        check_loaded(self._rpc("rhymerl_load_weights", save(blob)), "policy")
         self.engine.reset_prefix_cache()
 
     def load_draft_weights(self, named: Mapping[str, torch.Tensor]) -> None:
@@ -195,7 +209,8 @@ class VllmEngine:
         checkpoint: a head trained alongside the policy is pushed with each policy sync."""
         from safetensors.torch import save
 
-        self._rpc("rhymerl_load_draft_weights", save({n: t.detach().cpu().contiguous().clone() for n, t in named.items()}))
+        check_loaded(self._rpc("rhymerl_load_draft_weights",
+                               save({n: t.detach().cpu().contiguous().clone() for n, t in named.items()})), "draft model")
 
     def draft_digest(self) -> dict[str, Any]:
         return self._rpc("rhymerl_draft_digest")[0]

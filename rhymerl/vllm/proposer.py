@@ -229,10 +229,10 @@ class HistoSpecProposer:
 
     def _sampler_is_correct(self) -> bool:
         if self._sampler_ok is None:
-            from rhymerl.vllm import sampler_fix
+            from rhymerl.vllm.sampler_fix import CORRECT, probe_rejection_sampler
 
-            probe = sampler_fix.probe_rejection_sampler(getattr(self.runner, "device", "cpu"))
-            self._sampler_ok = probe == sampler_fix.CORRECT
+            probe = probe_rejection_sampler(getattr(self.runner, "device", "cpu"))
+            self._sampler_ok = probe == CORRECT
             if not self._sampler_ok:
                 log.warning("rhymerl.vllm.HistoSpecProposer: this vLLM's rejection sampler expands per-request "
                             "temperature/top-k/top-p wrongly (probe: %s; vLLM issue #55005 on CPU builds, corrected "

@@ -33,20 +33,37 @@ def expected_unloaded(*layers: str) -> Iterator[None]:
         log.removeFilter(keep)
 
 
+def _reload(vllm_config: Any, model: Any, named: dict) -> list[str]:
+    """vLLM's layerwise in-place reload (as ``reload_weights`` does it), keeping what its model's
+    ``load_weights`` reports loaded: returns the model's parameters the push left alone."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    want = {name for name, _ in model.named_parameters()}
+    with set_current_vllm_config(vllm_config):
+        initialize_layerwise_reload(model)
+        loaded = model.load_weights(iter(named.items()))
+        finalize_layerwise_reload(model, vllm_config.model_config)
+    return sorted(want - set(loaded or ()))
+
+
 class RolloutExtension:
     """Mixed into vLLM's worker class: ``self`` is the worker (``self.model_runner``)."""
 
-    def rhymerl_load_weights(self, blob: bytes) -> int:
+    def rhymerl_load_weights(self, blob: bytes) -> dict[str, Any]:
         """Copy Hugging Face-named weights (a safetensors blob: tensors cross vLLM's RPC as bytes)
-        into the running model; returns how many were loaded."""
+        into the running model; returns how many were sent and which of the model's parameters
+        the push did not load (the caller refuses a partial push)."""
         from safetensors.torch import load
 
         named = load(blob)
         # vLLM's in-place reload: layers whose weights were repacked after loading (its CPU
         # linear kernels) are restored to checkpoint form, loaded, and repacked.
         with expected_unloaded("RotaryEmbedding"):
-            self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
-        return len(named)
+            missing = _reload(self.model_runner.vllm_config, self.model_runner.get_model(), named)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's own reload
+            getattr(self.model_runner, reset, lambda: None)()
+        return {"sent": len(named), "missing": missing}
 
     def _rhymerl_draft_model(self) -> Any:
         model = getattr(getattr(self.model_runner, "drafter", None), "model", None)
@@ -54,20 +71,21 @@ class RolloutExtension:
             raise RuntimeError("this vLLM engine has no draft model (speculative method eagle3 or draft_model)")
         return model
 
-    def rhymerl_load_draft_weights(self, blob: bytes) -> int:
+    def rhymerl_load_draft_weights(self, blob: bytes) -> dict[str, Any]:
         """Copy a draft model's weights, named as its checkpoint (an Eagle3 head's ``midlayer.*``,
         ``fc``...), into the running drafter, in place as for the policy. What the drafter shares
-        with the policy (an Eagle3 head's embedding) is the policy's module, updated by its sync."""
+        with the policy (an Eagle3 head's embedding) is the policy's module, updated by its sync,
+        and is not counted as missing."""
         from safetensors.torch import load
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         named = load(blob)
         model = self._rhymerl_draft_model()
-        shared = ("VocabParallelEmbedding",) if self._rhymerl_embed_is_policys(model) else ()
-        with expected_unloaded("RotaryEmbedding", *shared):
-            reload_weights(self.model_runner.vllm_config, model, weights_iterator=iter(named.items()),
-                           weights_path=None, is_checkpoint_format=True)
-        return len(named)
+        shared = self._rhymerl_embed_is_policys(model)
+        with expected_unloaded("RotaryEmbedding", *(("VocabParallelEmbedding",) if shared else ())):
+            missing = _reload(self.model_runner.vllm_config, model, named)
+        if shared:
+            missing = [n for n in missing if "embed_tokens" not in n]
+        return {"sent": len(named), "missing": missing}
 
     def _rhymerl_embed_is_policys(self, model: Any) -> bool:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
