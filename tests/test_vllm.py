@@ -528,6 +528,38 @@ def test_histospec_runs_in_any_vllm_program_from_a_history_file(engines, tiny, t
     assert all(a > 3 for a in accepted), accepted
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_a_stopped_engine_core_ends_the_call_naming_it(engines, tiny):
+    """SIGSTOP the engine-core process mid-rollout: the next call returns within its bound with
+    EngineTimeout (the engine and its workers killed), instead of waiting forever."""
+    import signal
+    import time
+
+    import psutil
+
+    from rhymerl.vllm.watchdog import EngineTimeout
+
+    path, prompts = tiny
+    eng = engines.get("bounded", timeout_s=4)
+    pids = eng._pids()
+    assert pids
+    eng.add("a", prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0), 0, 0)
+    eng.step()
+    os.kill(pids[0], signal.SIGSTOP)
+    t = time.monotonic()
+    with pytest.raises(EngineTimeout, match=r"step did not return within 4s.*--resume"):
+        while True:
+            eng.step()
+            eng.add(f"b{time.monotonic()}", prompts[1], SamplingParams(max_tokens=MAX_TOKENS), 0, 0)
+    assert time.monotonic() - t < 20
+    time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    with pytest.raises(EngineTimeout):  # and stays closed
+        eng.proposer_counters()
+    engines._made.pop("bounded")
+
+
 def _histospec_llm(path: str, **rhymerl):
     import vllm
 

@@ -22,6 +22,7 @@ from rhymerl.engine.sampler import draw_key
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.vllm import sampler_fix
 from rhymerl.vllm.methods import vllm_speculative
+from rhymerl.vllm.watchdog import Watchdog, process_tree
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class VllmEngine:
                           speculative_config=spec, additional_config={"rhymerl": extra},
                           worker_extension_cls=EXTENSION, disable_log_stats=True)
         self.engine = LLMEngine.from_engine_args(args)
+        self.watchdog = Watchdog(self._pids, timeout_s, wake=self._wake)
         self.tied = bool(getattr(self.engine.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
         self.sampler_status = self._rpc("rhymerl_sampler_status")
         self.lossy_reason = lossy_reason(spec, self.sampler_status)
@@ -133,8 +135,25 @@ class VllmEngine:
         # refuse_lossy=False exists for the test that shows the lossy sampler is caught
         self._refuse = bool(self.lossy_reason) and refuse_lossy
 
+    def _pids(self) -> list[int]:
+        """The engine's own processes: its engine core and the core's workers."""
+        manager = getattr(getattr(getattr(self.engine, "engine_core", None), "resources", None), "engine_manager", None)
+        return process_tree([p.pid for p in getattr(manager, "processes", []) if p.pid is not None])
+
+    def _wake(self, error: Exception) -> None:
+        """End whatever call waits on this (killed) engine: vLLM's sync client blocks on its
+        outputs queue and on utility futures without a timeout."""
+        client = getattr(self.engine, "engine_core", None)
+        queue = getattr(client, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(error)
+        for future in list(getattr(client, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(error)
+
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return self.engine.collective_rpc(method, timeout=self.timeout_s, args=args)
+        with self.watchdog.call(method):
+            return self.engine.collective_rpc(method, timeout=self.timeout_s, args=args)
 
     # --- requests ---------------------------------------------------------------------------------
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int, sample: int, *,
@@ -157,18 +176,22 @@ class VllmEngine:
                   stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self._eos),
                   ignore_eos=params.ignore_eos, seed=sample_seed(seed, sample, len(prefix)), logprobs=0,
                   output_kind=RequestOutputKind.DELTA, extra_args=extra)
-        self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids) + prefix}, vsp)
+        with self.watchdog.call("add_request"):
+            self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids) + prefix}, vsp)
 
     def step(self) -> list[SampleDelta]:
         out = []
-        for o in self.engine.step():
+        with self.watchdog.call("step"):
+            outs = self.engine.step()
+        for o in outs:
             c = o.outputs[0]
             lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
             out.append(SampleDelta(o.request_id, list(c.token_ids), lps, c.finish_reason if o.finished else None))
         return out
 
     def abort(self, rids: list[str]) -> None:
-        self.engine.abort_request(rids)
+        with self.watchdog.call("abort_request"):
+            self.engine.abort_request(rids)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -202,7 +225,8 @@ class VllmEngine:
         if self.tied and "lm_head.weight" not in blob and "model.embed_tokens.weight" in blob:
             blob["lm_head.weight"] = blob["model.embed_tokens.weight"].clone()
         check_loaded(self._rpc("rhymerl_load_weights", save(blob)), "policy")
-        self.engine.reset_prefix_cache()
+        with self.watchdog.call("reset_prefix_cache"):
+            self.engine.reset_prefix_cache()
 
     def load_draft_weights(self, named: Mapping[str, torch.Tensor]) -> None:
         """New weights for the engine's draft model (``eagle3`` / ``draft_model``), named as its
@@ -226,6 +250,7 @@ class VllmEngine:
         return got[0] if got else {}
 
     def close(self) -> None:
+        self.watchdog.close()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
