@@ -93,3 +93,36 @@ def same_distribution(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], *,
     p_length = mean_pvalue([len(r) for r in a], [len(r) for r in b])
     p_reward = mean_pvalue(list(rewards_a), list(rewards_b)) if rewards_a is not None and rewards_b is not None else 1.0
     return SameDistribution(p_tokens, p_length, p_reward, len(a), len(b))
+
+
+def goodness_of_fit(counts: Counter, probs: dict, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Chi-square test that ``counts`` were drawn from the known distribution ``probs`` (an
+    exact check: no second sample's noise); cells expected under ``min_expected`` pooled, and
+    a category outside ``probs`` is impossible, so it alone rejects. Returns
+    ``(statistic, degrees of freedom, p-value)``."""
+    n = sum(counts.values())
+    if n == 0:
+        return 0.0, 0, 1.0
+    if any(k not in probs and c for k, c in counts.items()):
+        return math.inf, 1, 0.0
+    cells, rare = [], [0.0, 0.0]
+    for k, p in probs.items():
+        exp, obs = p * n, counts.get(k, 0)
+        if exp < min_expected:
+            rare[0] += obs
+            rare[1] += exp
+        else:
+            cells.append((obs, exp))
+    if rare[1] > 0:
+        cells.append((rare[0], rare[1]))
+    if len(cells) < 2:
+        return 0.0, 0, 1.0
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return stat, len(cells) - 1, chi2_sf(stat, len(cells) - 1)
+
+
+def combined_fit(tests: Sequence[tuple[float, int, float]]) -> float:
+    """One p-value for independent goodness-of-fit tests (their statistics and degrees of
+    freedom added: a chi-square again)."""
+    stat, df = sum(t[0] for t in tests), sum(t[1] for t in tests)
+    return 0.0 if math.isinf(stat) else chi2_sf(stat, df)

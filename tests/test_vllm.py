@@ -261,6 +261,125 @@ def test_speculation_in_vllm_samples_the_distribution_of_plain_decoding(engines,
         engines.drop(method)
 
 
+# --- the exact check: vLLM's first two tokens against the model's enumerated distribution ---------
+EXACT_PROMPTS, EXACT_SAMPLES = 8, 1024  # 8,192 samples per method and setting; position 2 is the first verified
+
+
+def _processed(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The sampling distribution vLLM draws from: temperature, then top-p (the smallest set of
+    most likely tokens holding at least ``top_p``)."""
+    p = (logits.double() / temperature).softmax(-1)
+    if top_p < 1:
+        s, i = p.sort(descending=True)
+        keep = torch.zeros_like(p, dtype=torch.bool)
+        keep[i[(s.cumsum(0) - s) < top_p]] = True
+        p = torch.where(keep, p, torch.zeros_like(p))
+        p = p / p.sum()
+    return p
+
+
+def exact_first_two(model, prompt: list[int], temperature: float, top_p: float, *, second_temperature=None,
+                    doubled: bool = False) -> dict[tuple[int, ...], float]:
+    """P(first token, second token) by enumeration (an EOS first token ends the response).
+    ``second_temperature`` / ``doubled``: the distortions the power test plants at the second
+    position (another temperature there; the token nearest 10 % made twice as likely)."""
+    eos = model.config.eos_token_id
+    out: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        p1 = _processed(model(torch.tensor([prompt]))[0, -1], temperature, top_p)
+        for t1 in torch.nonzero(p1).flatten().tolist():
+            if t1 == eos:
+                out[(t1,)] = float(p1[t1])
+                continue
+            p2 = _processed(model(torch.tensor([prompt + [t1]]))[0, -1], second_temperature or temperature, top_p)
+            if doubled:
+                j = int((p2 - 0.1).abs().argmin())
+                p2 = p2.clone()
+                p2[j] *= 2
+                p2 = p2 / p2.sum()
+            for t2 in torch.nonzero(p2).flatten().tolist():
+                out[(t1, t2)] = float(p1[t1] * p2[t2])
+    return out
+
+
+def exact_check(samples_by_prompt: list[list[list[int]]], exact: list[dict]) -> float:
+    """One p-value: each prompt's (first, second) tokens against its enumerated distribution."""
+    from collections import Counter
+
+    from rhymerl.sample_stats import combined_fit, goodness_of_fit
+
+    return combined_fit([goodness_of_fit(Counter(tuple(s[:2]) for s in samples), probs)
+                         for samples, probs in zip(samples_by_prompt, exact)])
+
+
+def test_the_exact_check_power_against_a_temperature_of_1_2_and_a_doubled_10pct_token(vllm_base, tiny):
+    """By simulation at the exact check's own sample size (EXACT_PROMPTS x EXACT_SAMPLES) and
+    level (ALPHA): how often it rejects, with the distortion planted at the second token (where
+    vLLM's rejection sampler first acts). Measured here: no distortion 0.00; T=1.2 for T=1 0.945,
+    1.00 at T=0.7/top-p 0.9; a ~10 % token doubled 1.00 at both."""
+    import numpy as np
+
+    from rhymerl.model import load_pretrained
+
+    model = load_pretrained(vllm_base).eval()
+    prompts = tiny[1][:EXACT_PROMPTS]
+    g = np.random.default_rng(0)
+
+    def rejects(truth: list[dict], drawn_from: list[dict], reps: int = 200) -> float:
+        hits = 0
+        for _ in range(reps):
+            samples = []
+            for q in drawn_from:
+                keys = list(q)
+                counts = g.multinomial(EXACT_SAMPLES, np.array([q[k] for k in keys]) / sum(q.values()))
+                samples.append([list(k) for k, c in zip(keys, counts) for _ in range(c)])
+            hits += exact_check(samples, truth) < ALPHA
+        return hits / reps
+
+    for name, kw in SETTINGS.items():
+        t, top_p = kw["temperature"], kw.get("top_p", 1.0)
+        truth = [exact_first_two(model, p, t, top_p) for p in prompts]
+        hotter = [exact_first_two(model, p, t, top_p, second_temperature=1.2 * t) for p in prompts]
+        doubled = [exact_first_two(model, p, t, top_p, doubled=True) for p in prompts]
+        assert rejects(truth, truth, reps=50) <= 0.04, name  # its level
+        assert rejects(truth, hotter) >= 0.9, name
+        assert rejects(truth, doubled) >= 0.9, name
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["history", "ngram", "draft_model", "eagle3"])
+def test_speculation_in_vllm_samples_the_exact_distribution(engines, tiny, method, tmp_path):
+    """8,192 responses per setting, their first two tokens against the model's enumerated
+    distribution (a check with known power: the test above), with drafts verified at the
+    second position (tokens per forward > 1)."""
+    from rhymerl.model import load_pretrained
+
+    path, prompts = tiny
+    prompts = prompts[:EXACT_PROMPTS]
+    model = load_pretrained(path).eval()
+    spec = METHODS[method] or _model_spec(method, path, tmp_path)
+    eng = engines.get(f"exact-{method}", spec)
+    keys = [f"x{i}" for i in range(len(prompts))]
+    try:
+        for name, kw in SETTINGS.items():
+            if method == "history":
+                _, _, earlier = responses(engines.get("plain"), prompts, SamplingParams(n=SAMPLES, max_tokens=MAX_TOKENS,
+                                                                                       **kw), seed=21, keys=keys)
+                eng.put_history([(k, ids, [(1, [s.tokens for s in g], [None] * len(g))])
+                                 for k, ids, g in zip(keys, prompts, earlier)])
+                eng.begin(2)
+            got = eng.generate(prompts, SamplingParams(n=EXACT_SAMPLES, max_tokens=4, **kw),
+                               [7000 + i for i in range(len(prompts))], prompt_keys=keys, tag=f"x{name}")
+            per_forward = sum(len(s.tokens) for g in got for s in g) / sum(s.forwards for g in got for s in g)
+            assert per_forward > 1.01, f"{method} {name}: no drafts accepted"
+            t, top_p = kw["temperature"], kw.get("top_p", 1.0)
+            p = exact_check([[s.tokens for s in g] for g in got], [exact_first_two(model, q, t, top_p) for q in prompts])
+            assert p > ALPHA, f"{method} {name}: p={p:.2e}"
+    finally:
+        engines.drop(f"exact-{method}")
+
+
 def _installed_kernel_is_broken() -> bool:
     from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils as cpu_tl
@@ -295,6 +414,14 @@ def test_the_test_catches_vllm_cpus_own_sampler_without_the_correction(engines, 
     assert per_forward > 1.01
     lossy = same_distribution(a, b)
     assert lossy.p < 1e-6, lossy
+    from rhymerl.model import load_pretrained
+
+    model = load_pretrained(path).eval()
+    got = raw.generate(prompts[:EXACT_PROMPTS], SamplingParams(n=EXACT_SAMPLES, max_tokens=4, temperature=1.0),
+                       [7000 + i for i in range(EXACT_PROMPTS)], tag="exact-raw")
+    exact = exact_check([[s.tokens for s in g] for g in got],
+                        [exact_first_two(model, q, 1.0, 1.0) for q in prompts[:EXACT_PROMPTS]])
+    assert exact < 1e-6, exact  # the exact check catches it too
     raw._refuse = True  # what an engine built the default way does
     with pytest.raises(LossySamplerError, match="temperature > 0"):
         raw.add("x", prompts[0], params, 0, 0)
