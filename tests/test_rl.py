@@ -386,3 +386,23 @@ def test_the_heldout_gain_carries_a_paired_bootstrap_interval(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "held-out greedy accuracy: 40.0% -> 70.0% (+30.0, 95% CI +" in out
     assert "train reward (mean of the first/last 20 steps): 0.12 -> 0.38 (+0.25)" in out
+
+
+def test_drafter_health_marks_a_collapse_once():
+    import logging
+
+    from rhymerl.training.engine_checks import DrafterHealth
+
+    h = DrafterHealth(window=4)
+    healthy = [h.update(v, s) for s, v in enumerate([1.0, 2.4, 2.5, 2.6, 2.5, 2.4], 1)]
+    assert all(x > 0.8 for x in healthy[2:])
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("rhymerl.training.engine_checks").addHandler(handler)
+    try:
+        collapsed = [h.update(1.0, s) for s in range(7, 12)]
+    finally:
+        logging.getLogger("rhymerl.training.engine_checks").removeHandler(handler)
+    assert all(x < 0.5 for x in collapsed)  # judged against the healthy trail, not a falling one
+    assert len(records) == 1 and "step 9" in records[0].getMessage()

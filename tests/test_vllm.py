@@ -527,6 +527,14 @@ def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_
         assert pushed["model.fc.weight"] == pytest.approx(float(fresh["fc.weight"].double().sum()), rel=1e-5)
         assert pushed["model.fc.weight"] != pytest.approx(after["sums"]["model.fc.weight"])
         assert pushed[embed] == pytest.approx(new_embed, rel=1e-6)  # the push left the policy's embedding alone
+        from rhymerl.drafting.eagle3_head import PREFIX
+        from rhymerl.vllm.engine import WeightSyncError, digest_mismatches
+
+        assert not digest_mismatches(fresh, pushed)  # what load_draft_weights checks after each push
+        assert digest_mismatches({**fresh, "fc.weight": fresh["fc.weight"] + 0.01}, pushed)
+        worker.update_weights({**dict(moved.named_parameters()), **{PREFIX + n: t for n, t in fresh.items()}})
+        with pytest.raises(WeightSyncError, match="stale head"):  # a later sync that skips the head
+            worker.update_weights(dict(moved.named_parameters()))
         got = eng.generate(prompts[:4], SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=1.0), list(range(4)),
                            tag="eagle3-pushed")
         for ids, group in zip(prompts[:4], got):

@@ -59,6 +59,7 @@ class VllmRolloutWorker:
         self._done: list[ItemResult] = []  # finished by an abort, reported with the next advance
         self._stats = dict.fromkeys(ENGINE_COUNTERS, 0.0)
         self._proposer_mark: dict[str, float] = {}
+        self._head_pushed = False  # a draft head trained beside the policy goes with every sync once pushed
 
     def ping(self) -> int:
         import os
@@ -70,15 +71,20 @@ class VllmRolloutWorker:
         from rhymerl.model import ours_to_hf
 
         from rhymerl.drafting.eagle3_head import PREFIX
+        from rhymerl.vllm.engine import WeightSyncError
 
         learnt = sorted(n for n in named if n.startswith("draft_head."))
         if learnt:
             raise KeyError(f"update_weights: {learnt[0]!r} belongs to an online draft head, which vLLM does not run")
         head = {n[len(PREFIX):]: t for n, t in named.items() if n.startswith(PREFIX)}
+        if self._head_pushed and not head:
+            raise WeightSyncError("a policy sync without the Eagle3 head's weights, after earlier syncs pushed them: "
+                                  "vLLM would draft with a stale head (push the head with every sync)")
         self.engine.load_weights(ours_to_hf({n: t for n, t in named.items() if not n.startswith(PREFIX)},
                                             self.model_config))
         if head:  # an Eagle3 head trained beside the policy: the drafter gets it with the same sync
             self.engine.load_draft_weights(head)
+            self._head_pushed = True
 
     def update_weights_numpy(self, named: Mapping[str, Any]) -> None:
         self.update_weights({n: torch.from_numpy(a) for n, a in named.items()})

@@ -44,7 +44,7 @@ from rhymerl.training.checkpoint import (
     load_checkpoint_into,
     save_checkpoint,
 )
-from rhymerl.training.engine_checks import check_logp_gap, max_logp_gap
+from rhymerl.training.engine_checks import DrafterHealth, check_logp_gap, max_logp_gap
 from rhymerl.training.evaluate import evaluate
 from rhymerl.training.inputs import check_inputs, record_inputs, with_absolute_paths
 from rhymerl.training.metrics import MetricsLogger, plot_run
@@ -145,6 +145,7 @@ class RLRun:
         self.versions = PolicyVersions(cfg.trainer.async_staleness, self._named, self.rollout.pool.update_weights,
                                        wait_s=cfg.trainer.rollout_wait_s)
         self.metrics = MetricsLogger(run_dir)
+        self.drafter_health = DrafterHealth()
         # An update overlapping the rollout (async RL, a streamed update) keeps, in this
         # process, to the cores the workers leave (a fixed count: its numbers never follow timing).
         overlaps = cfg.trainer.async_staleness or cfg.trainer.stream_update
@@ -236,7 +237,10 @@ class RLRun:
                           counts=merge_counts(batch.stats, kept.stats), extras=batch.extras,
                           predicted=batch.predicted, sync_bytes=sync_bytes, workers=self.rollout.num_workers)
         self._write_trace(step, batch, kept)
-        return {**upd.metrics, **step_metrics(facts, times)}
+        m = {**upd.metrics, **step_metrics(facts, times)}
+        if self.cfg.rollout.speculative.method != "none":
+            m["spec/health"] = self.drafter_health.update(m["spec/accepted_per_forward"], step)
+        return m
 
     def _collect(self, step: int) -> tuple[ScoredRollout, float]:
         """Step ``step``'s batch, and the seconds spent waiting for it: the one launched during

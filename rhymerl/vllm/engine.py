@@ -39,13 +39,37 @@ class WeightSyncError(RuntimeError):
 
 
 def check_loaded(results: list[dict[str, Any]], what: str) -> None:
-    """Every worker loaded every parameter of ``what`` (its ``missing`` list is empty)."""
+    """Every worker loaded every parameter of ``what`` (its ``missing`` list is empty; None: the
+    model does not say, and another check applies)."""
     for rank, r in enumerate(results):
         if r.get("missing"):
             raise WeightSyncError(f"{what} push into vLLM (worker {rank}): {r['sent']} tensors sent, but these "
                                   f"parameters were not loaded: {r['missing'][:8]}"
                                   f"{' ...' if len(r['missing']) > 8 else ''}; the engine would sample from a mix "
                                   "of old and new weights (are the weight names the model's?)")
+
+
+# vLLM fuses projections that a checkpoint keeps apart: their sums add up in the fused weight.
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def digest_mismatches(pushed: Mapping[str, torch.Tensor], sums: Mapping[str, float]) -> list[str]:
+    """Pushed weights whose sum differs from the engine's (``rhymerl_draft_digest``), by the
+    engine's names (fused projections summed); none found there at all is a mismatch too."""
+    want: dict[str, float] = {}
+    for name, t in pushed.items():
+        key = ".".join(_FUSED.get(part, part) for part in name.split("."))
+        want[key] = want.get(key, 0.0) + float(t.detach().double().sum())
+    bad, matched = [], 0
+    for key, v in want.items():
+        got = sums.get(key, sums.get("model." + key))
+        if got is None:
+            continue
+        matched += 1
+        if abs(got - v) > 1e-3 + 1e-4 * abs(v):
+            bad.append(f"{key}: {got:.6g} in vLLM, {v:.6g} pushed")
+    return bad if matched else ["none of the pushed weights is found in the engine's drafter"]
 
 
 class LossySamplerError(RuntimeError):
@@ -235,6 +259,9 @@ class VllmEngine:
 
         check_loaded(self._rpc("rhymerl_load_draft_weights",
                                save({n: t.detach().cpu().contiguous().clone() for n, t in named.items()})), "draft model")
+        bad = digest_mismatches(named, self.draft_digest()["sums"])
+        if bad:  # what the drafter holds now is not what was pushed
+            raise WeightSyncError(f"draft model push into vLLM: its weights there differ from the trainer's ({bad[:4]})")
 
     def draft_digest(self) -> dict[str, Any]:
         return self._rpc("rhymerl_draft_digest")[0]

@@ -33,9 +33,10 @@ def expected_unloaded(*layers: str) -> Iterator[None]:
         log.removeFilter(keep)
 
 
-def _reload(vllm_config: Any, model: Any, named: dict) -> list[str]:
+def _reload(vllm_config: Any, model: Any, named: dict) -> list[str] | None:
     """vLLM's layerwise in-place reload (as ``reload_weights`` does it), keeping what its model's
-    ``load_weights`` reports loaded: returns the model's parameters the push left alone."""
+    ``load_weights`` reports loaded: returns the model's parameters the push left alone, or None
+    where the model reports nothing (vLLM's Eagle3 drafter: its push is checked by digest)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -44,7 +45,7 @@ def _reload(vllm_config: Any, model: Any, named: dict) -> list[str]:
         initialize_layerwise_reload(model)
         loaded = model.load_weights(iter(named.items()))
         finalize_layerwise_reload(model, vllm_config.model_config)
-    return sorted(want - set(loaded or ()))
+    return None if loaded is None else sorted(want - set(loaded))
 
 
 class RolloutExtension:
@@ -83,7 +84,7 @@ class RolloutExtension:
         shared = self._rhymerl_embed_is_policys(model)
         with expected_unloaded("RotaryEmbedding", *(("VocabParallelEmbedding",) if shared else ())):
             missing = _reload(self.model_runner.vllm_config, model, named)
-        if shared:
+        if shared and missing is not None:
             missing = [n for n in missing if "embed_tokens" not in n]
         return {"sent": len(named), "missing": missing}
 
