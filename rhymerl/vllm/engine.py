@@ -20,7 +20,7 @@ import torch
 from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.sampler import draw_key
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.vllm import sampler_fix
+from rhymerl.vllm import lifetime, sampler_fix
 from rhymerl.vllm.methods import vllm_speculative
 from rhymerl.vllm.watchdog import Watchdog, process_tree
 
@@ -124,6 +124,7 @@ class VllmEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         _cpu_env()
+        os.environ[lifetime.OWNER] = str(os.getpid())  # its processes end with this one (lifetime.py)
         check_model(model_path)
         spec, proposer_fields = vllm_speculative(speculative)
         extra: dict[str, Any] = {"speculative": proposer_fields}
