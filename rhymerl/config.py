@@ -97,7 +97,9 @@ class RolloutSection:
     backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
     schedule: str = "histopipe"  # even | least_loaded | histopipe
     length_stat: str = "mean"  # how a prompt's previous lengths predict its next: mean | median | max | p75
-    placement: str = "auto"  # histopipe: lpt | contiguous (the paper's) | spread (priced distributions) | stripe | auto
+    # histopipe: least_loaded | lpt_samples | lpt | contiguous (the paper's) | spread (priced distributions) |
+    # stripe | auto (whichever the simulator finishes first on lengths drawn from the predictions)
+    placement: str = "auto"
     tail_fraction: float = 0.1  # tail migration once at most this share of samples is unfinished
     migrate: bool = True  # tail migration and work stealing (histopipe)
     complementary: bool = True  # odd steps place long groups first, even steps last

@@ -58,7 +58,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rhymerl.cli", "train", *args]
 
 
-def _where(run: Path) -> str:
+def _where(run: Path, last_step: int = LAST_STEP) -> str:
     """Where a kill landed, from what the run folder holds."""
     if not (run / "config.yaml").exists():
         return "start-up (no run folder yet)"
@@ -75,7 +75,7 @@ def _where(run: Path) -> str:
         if metrics.exists() else []
     if not steps:
         return "start-up or initial evaluation"
-    if max(steps) >= LAST_STEP:
+    if max(steps) >= last_step:
         return "the end (plots, summary)"
     return f"step {max(steps) + 1} (rollout / update / sync / eval)"
 
@@ -178,10 +178,19 @@ def vllm_trials(base: str, work: Path, kills: int, engine_kills: int, seed: int,
         proc = subprocess.Popen(_cli(*rl_overrides(base, run), *VLLM), env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         at = rng.uniform(0.1, 0.9) * wall
+        t0 = time.perf_counter()
+        victim = proc.pid
+        if target == "engine core":  # its moment counts from when it runs (after the trainer's start-up)
+            victim = None
+            while victim is None and proc.poll() is None and time.perf_counter() - t0 < 120:
+                victim = _engine_core(proc.pid)
+                time.sleep(0.05)
+            at = rng.uniform(0.0, 0.8) * max(1.0, wall - (time.perf_counter() - t0))
         time.sleep(at)
-        victim = proc.pid if target == "trainer" else _engine_core(proc.pid)
+        at = time.perf_counter() - t0
         finished = proc.poll() is not None
-        if not finished and victim is not None:
+        killed = not finished and victim is not None
+        if killed:
             os.kill(victim, signal.SIGKILL)
         try:
             _, err = proc.communicate(timeout=180)
@@ -190,8 +199,9 @@ def vllm_trials(base: str, work: Path, kills: int, engine_kills: int, seed: int,
             _, err = proc.communicate()
         before = learning_metrics(run) if (run / "metrics.jsonl").exists() else []
         ck = latest_checkpoint(run)
-        where = "after the end (not killed)" if finished else _where(run)
-        stopped = (err or "").strip().splitlines()[-1:] if target == "engine core" else []
+        where = "after the end (not killed)" if finished else _where(run, 12)
+        said = [ln for ln in (err or "").splitlines() if ln.startswith("rhymerl:") or "Error" in ln]
+        stopped = said[-1:] if target == "engine core" else []
         r = None
         for _ in range(3):  # resume until the run reports its summary
             cmd = _cli("--resume", str(run)) if (run / "config.yaml").exists() else _cli(*rl_overrides(base, run), *VLLM)
@@ -202,10 +212,10 @@ def vllm_trials(base: str, work: Path, kills: int, engine_kills: int, seed: int,
         steps = [row["step"] for row in after]
         kept = ck is None or after[: int(ck.name.removeprefix("step_")) + 1] == before[: int(ck.name.removeprefix("step_")) + 1]
         done = r is not None and r.returncode == 0 and steps == list(range(0, 13))
-        rows.append({"trial": i, "target": target, "kill_s": round(at, 1), "where": where,
+        rows.append({"trial": i, "target": target, "killed": killed, "kill_s": round(at, 1), "where": where,
                      "resumed_from": ck.name if ck else "scratch", "stopped_with": stopped[0][:160] if stopped else "",
                      "finished": done, "earlier_steps_kept": kept})
-        print(f"kill {i:2d} of the {target} at {at:5.1f} s: {where:40s} resumed from {rows[-1]['resumed_from']:12s} "
+        print(f"kill {i:2d} of the {target} at {at:5.1f} s{'' if killed else ' (not killed)'}: {where:40s} resumed from {rows[-1]['resumed_from']:12s} "
               f"finished={done} earlier steps kept={kept} {rows[-1]['stopped_with']}")
     return rows
 
@@ -262,7 +272,7 @@ def main() -> int:
         print("\n| fault injected (vLLM) | how often | finished after --resume | steps before it kept |")
         print("|---|---:|---:|---:|")
         for target in ("trainer", "engine core"):
-            ks = [k for k in rows if k["target"] == target]
+            ks = [k for k in rows if k["target"] == target and k["killed"]]
             if ks:
                 print(f"| SIGKILL of the {target} at a random moment | {len(ks)} | {sum(k['finished'] for k in ks)} "
                       f"| {sum(k['earlier_steps_kept'] for k in ks)} |")

@@ -121,7 +121,7 @@ def _use_all_workers(bounds: list[int], est: _RunTime, R: int) -> list[int]:
     return bounds
 
 
-PLACEMENTS = ("auto", "lpt", "contiguous", "spread", "stripe")
+PLACEMENTS = ("auto", "least_loaded", "lpt_samples", "lpt", "contiguous", "spread", "stripe")
 
 
 def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers: int, *,
@@ -170,14 +170,7 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
             work[p * R // max(1, P)].extend((p, s) for s in range(len(lens[p])))
         return Plan(policy, [_merge(w) for w in work])
     if policy == "least_loaded":
-        work = [[] for _ in range(R)]
-        outstanding = np.zeros(R, dtype=np.int64)
-        for p in range(P):
-            for s in range(len(lens[p])):
-                w = int(np.argmin(outstanding))
-                work[w].append((p, s))
-                outstanding[w] += 1
-        return Plan(policy, [_merge(w) for w in work])
+        return Plan(policy, [_merge(w) for w in _least_loaded(lens, R)])
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r} is not one of {PLACEMENTS}")
     # What "past its prediction" means at run time (tail migration): the prompt's typical
@@ -186,6 +179,10 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     tail_moves = migrate and policy in ("histopipe", "prompt_oracle")
     dists = LengthDists.from_samples(lens, policy_error, max_tokens)
     candidates = {
+        # Placements that know nothing of lengths are candidates too: judged on the same draws,
+        # HistoPipe picks them where the predictions do not beat them (never behind by design).
+        "least_loaded": lambda: _least_loaded(lens, R),
+        "lpt_samples": lambda: _lpt_samples(lens, R, cost, max_num_seqs, prompt_len),
         "lpt": lambda: _lpt(lens, R, cost, max_num_seqs, prompt_len),
         "contiguous": lambda: _contiguous(lens, R, cost, max_num_seqs, prompt_len),
         "spread": lambda: _spread(dists, [len(x) for x in lens], R, cost, max_num_seqs, prompt_len),
@@ -221,6 +218,42 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     if complementary and step % 2 == 0:
         groups = groups[::-1]
     return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted)
+
+
+def _least_loaded(lens: list[list[float]], R: int) -> list[list[tuple[int, int]]]:
+    """Each sample, in arrival order, to the worker with the fewest so far (verl's routing of a
+    batch dispatched at once: it balances counts)."""
+    work: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    i = 0
+    for p in range(len(lens)):
+        for s in range(len(lens[p])):
+            work[i % R].append((p, s))
+            i += 1
+    return work
+
+
+def _lpt_samples(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
+                 prompt_len: float) -> list[list[tuple[int, int]]]:
+    """Samples longest predicted first, each to the worker whose estimated time is lowest: what
+    dispatching a ranked queue to whichever worker frees first does (siblings scatter)."""
+    import heapq
+
+    order = sorted(((p, s) for p in range(len(lens)) for s in range(len(lens[p]))), key=lambda u: -lens[u[0]][u[1]])
+    state = [(0.0, w) for w in range(R)]
+    acc = [[0.0, 0.0, 0, set()] for _ in range(R)]  # sum, longest, count, prompts
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    for p, s in order:
+        _, w = heapq.heappop(state)
+        a = acc[w]
+        x = lens[p][s]
+        a[0] += x
+        a[1] = max(a[1], x)
+        a[2] += 1
+        a[3].add(p)
+        groups[w].append((p, s))
+        prefill = _prefill_tokens(prompt_len, a[2], len(a[3]), max_num_seqs)
+        heapq.heappush(state, (estimate_s(a[0], a[1], a[2], cost, max_num_seqs, prefill), w))
+    return groups
 
 
 def _lpt(lens: list[list[float]], R: int, cost: StepCost, max_num_seqs: int,
