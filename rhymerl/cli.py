@@ -149,13 +149,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rhymerl.training.engine_checks import LogpGapError
     from rhymerl.training.policy_versions import RolloutTimeout
     from rhymerl.vllm.engine import LossySamplerError, VllmUnavailable, WeightSyncError
-    from rhymerl.vllm.watchdog import EngineTimeout
+    from rhymerl.vllm.watchdog import EngineLost, EngineTimeout
     from rhymerl.training.rl import RewardFunctionError
     from rhymerl.training.trainer_group import TrainerRankError
 
     return (ConfigError, DatasetError, CheckpointError, RewardFunctionError, RewardLoadError, TrainerRankError,
             WorkerLost, InsecureClusterError, LogpGapError, RolloutTimeout, VllmUnavailable, LossySamplerError,
-            WeightSyncError, EngineTimeout)
+            WeightSyncError, EngineTimeout, EngineLost)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -379,6 +379,7 @@ def test_mistakes_on_the_vllm_path_are_one_line(monkeypatch, capsys):
     from rhymerl.training.engine_checks import LogpGapError
     from rhymerl.training.policy_versions import RolloutTimeout
     from rhymerl.vllm import engine as vllm_engine
+    from rhymerl.vllm.watchdog import EngineLost
 
     def broken_vllm():
         raise RuntimeError("operator torchvision::nms does not exist")
@@ -398,7 +399,8 @@ def test_mistakes_on_the_vllm_path_are_one_line(monkeypatch, capsys):
     for err in (vllm_engine.VllmUnavailable("vLLM fails to import ...: pip uninstall -y torchvision"),
                 vllm_engine.LossySamplerError("this vLLM's rejection sampler ..."),
                 vllm_engine.WeightSyncError("policy push into vLLM ..."), LogpGapError("step 2: ..."),
-                RolloutTimeout("the rollout of step 3 did not finish within 5s")):
+                RolloutTimeout("the rollout of step 3 did not finish within 5s"),
+                EngineLost("vLLM engine: its engine core ended during step")):
         monkeypatch.setattr(rl, "train", lambda *a, e=err, **k: (_ for _ in ()).throw(e))
         assert main(["train"]) == 2
         err_out = capsys.readouterr().err

@@ -194,3 +194,21 @@ def test_no_drafts_at_temperature_where_the_sampler_is_not_known_correct():
     for j, (key, (prompt, _)) in enumerate(base.items()):
         eng.add(prompt, epoch(2, j, 0), key, f"g:{key}", 1, 0, temperature=0.0)
     assert eng.run() > 1.2  # greedy requests still draft
+
+
+def test_an_engine_that_dies_under_a_call_is_named_in_one_error():
+    from rhymerl.vllm.watchdog import EngineLost, Watchdog
+
+    class EngineDeadError(Exception):  # vLLM's, by name
+        pass
+
+    dog = Watchdog(lambda: [], timeout_s=30)
+    try:
+        with pytest.raises(EngineLost, match="engine core ended during step.*--resume"):
+            with dog.call("step"):
+                raise EngineDeadError("EngineCore encountered an issue")
+        with pytest.raises(ValueError):  # anything else passes through
+            with dog.call("step"):
+                raise ValueError("x")
+    finally:
+        dog.close()

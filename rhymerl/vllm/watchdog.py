@@ -22,6 +22,10 @@ class EngineTimeout(RuntimeError):
     """A call into a vLLM engine did not return within its bound; the engine was closed."""
 
 
+class EngineLost(RuntimeError):
+    """A vLLM engine's processes ended under a call (killed, crashed, out of memory)."""
+
+
 class Watchdog:
     def __init__(self, pids: Callable[[], list[int]], timeout_s: float, name: str = "vLLM engine",
                  wake: Callable[[Exception], None] = lambda e: None) -> None:
@@ -43,6 +47,10 @@ class Watchdog:
         except Exception as e:  # noqa: BLE001 - a call ended by the kill says why it ended
             if self._fired:
                 raise EngineTimeout(self._fired) from e
+            if type(e).__name__ == "EngineDeadError":  # vLLM's word for an engine core that ended
+                raise EngineLost(f"{self.name}: its engine core ended during {what} (killed, crashed or out of "
+                                 "memory; its log above says which). `rhymerl train --resume RUN` continues from "
+                                 "the last checkpoint") from e
             raise
         finally:
             self._deadline = None
