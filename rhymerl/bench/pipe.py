@@ -32,6 +32,7 @@ import numpy as np
 from rhymerl.bench.common import print_table, write_report
 from rhymerl.scheduling import GPU_8B_H100, ORACLES, POLICIES, StepCost, make_plan, simulate, spearman
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
+from rhymerl.scheduling.placement_scores import PlacementScores
 
 N_SAMPLES = 8  # the default recipe's group size
 TRACE_SCALE_GPU = 64  # recorded arith lengths (tens of tokens) scaled to reasoning lengths for the GPU model
@@ -184,6 +185,9 @@ class SimSource:
     truth: SyntheticTrace | None = None
 
 
+LEARNT_STEPS = 2  # earlier steps HistoPipe's placement is scored on in the simulated table
+
+
 def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: int = 16,
                    per_worker_prompts: int = 16) -> list[dict[str, Any]]:
     """Every policy on each trace; on a synthetic trace also ``dist_oracle``: HistoPipe's
@@ -206,6 +210,14 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
             idx = pick_prompts(len(pairs), R * per_worker_prompts, rng)
             true, prev = scaled_workload(pairs, R * per_worker_prompts, n, scale, rng, idx)
             guess = predicted_samples(prev, [n] * len(prev))
+            # HistoPipe's placement as a coordinator learns it: scored on earlier steps of the same
+            # trace (other prompts, their actual lengths), never on this step's.
+            learnt = PlacementScores()
+            for k in range(LEARNT_STEPS):
+                before = np.random.default_rng(zlib.crc32(f"{name}:{R}:{k}".encode()))
+                t_k, p_k = scaled_workload(pairs, R * per_worker_prompts, n, scale, before)
+                learnt.observe(predicted_samples(p_k, [n] * len(p_k)), t_k, R, cost=cost, max_num_seqs=256,
+                               prompt_len=src.prompt_len, error_sigma=err, max_tokens=src.max_tokens * scale)
             plans: dict[str, tuple[list, float]] = {p: (true if p in ORACLES else guess, err) for p in POLICIES}
             if src.truth is not None:
                 dist = [[x * scale for x in src.truth.quantiles(i, n)] for i in idx]
@@ -218,8 +230,10 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
             for label, (lens, sigma) in plans.items():
                 t = time.perf_counter()
                 policy = "histopipe" if label in ("dist_oracle", "history_oracle") else label
+                placement, moves = learnt.choose() if label == "histopipe" else ("auto", True)
                 plan = make_plan(policy, lens, R, cost=cost, max_num_seqs=256, prompt_len=src.prompt_len,
-                                 error_sigma=sigma, max_tokens=src.max_tokens * scale)
+                                 error_sigma=sigma, max_tokens=src.max_tokens * scale, placement=placement,
+                                 migrate=moves)
                 plan_s = time.perf_counter() - t
                 r = simulate(plan, true, int(src.prompt_len), cost, max_num_seqs=256)
                 res[label] = r
@@ -228,7 +242,8 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
                              "bubble_fraction": r.bubble_fraction, "tok_s": r.tokens_per_s,
                              "migrations": r.migrations, "steals": r.steals, "length_error_sigma": sigma,
                              "tail_share": r.tail_share,
-                             "plan_s": plan_s, "sim_wall_s": time.perf_counter() - t})
+                             "plan_s": plan_s, "sim_wall_s": time.perf_counter() - t,
+                             "placement": "+".join(map(str, learnt.choose())) if label == "histopipe" else ""})
             for row in rows[-len(plans):]:
                 row["vs_even"] = res["even"].makespan_s / row["makespan_s"]
                 row["vs_oracle"] = row["makespan_s"] / res["oracle"].makespan_s
@@ -497,7 +512,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
     print()
-    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "makespan_s", "bubble_fraction",
+    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "placement", "makespan_s", "bubble_fraction",
                        "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
                        "tail_share", "plan_s", "simulated_s", "sim_error", "moved", "migrations", "steals"])
     return write_report(rows, json_path, {"length_rank_correlation": corrs.get("mean"),

@@ -23,6 +23,7 @@ from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.scheduling import StepCost, make_plan
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
+from rhymerl.scheduling.placement_scores import PlacementScores
 from rhymerl.scheduling.plan import Plan
 from rhymerl.scheduling.planner import ORACLES
 
@@ -94,6 +95,7 @@ class RolloutCoordinator:
         self.complementary, self.migrate, self.tokenizer = complementary, migrate, tokenizer
         self.placement, self.report_finished = placement, report_finished
         self.length_error_sigma = 0.0
+        self.placements = PlacementScores()  # placement "auto": learnt from the steps run (scheduling/)
         self.stats = EngineStats()
         self.source_stats: dict[str, float] = {}  # "accepted/<source>", "drafted/<source>", cumulative
         self.pipe = PipeStats()
@@ -119,13 +121,18 @@ class RolloutCoordinator:
             hist = [self.history.lengths(r.prompt_key) if self.history is not None and r.prompt_key else []
                     for r in requests]
             lengths = predicted_samples(hist, n, self.length_stat)
+        placement, migrate = self.placement, self.migrate
+        if placement == "auto" and policy == "histopipe":
+            placement, learnt_migrate = self.placements.choose()
+            migrate = migrate and learnt_migrate
         plan = make_plan(policy, lengths, len(alive), cost=self.cost, max_num_seqs=self.max_num_seqs, step=step,
-                         complementary=self.complementary, migrate=self.migrate, placement=self.placement,
+                         complementary=self.complementary, migrate=migrate, placement=placement,
                          prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0,
                          error_sigma=self.length_error_sigma,
                          max_tokens=max((r.params.max_tokens for r in requests), default=None))
         if policy not in ORACLES:
             plan.known = np.array([len(h) > 0 for h in hist], dtype=bool)
+            plan.lengths = lengths
         return plan
 
     # --- one step ----------------------------------------------------------------------------
@@ -143,7 +150,21 @@ class RolloutCoordinator:
             if len(k) >= 2:
                 true = [np.mean([len(c.token_ids) for c in outs[i].outputs]) for i in k]
                 self.length_error_sigma = log_error_sigma(plan.predicted[k], true)
+            self._learn_placement(plan, requests, outs)
         return outs
+
+    def _learn_placement(self, plan: Plan, requests: list[RolloutRequest], outs: list[RequestOutput]) -> None:
+        """Score each placement on this step's actual lengths (only a complete step: every sample)."""
+        if self.placement != "auto" or plan.lengths is None or plan.known is None or not plan.known.any():
+            return
+        actual = [[len(c.token_ids) for c in o.outputs] for o in outs]
+        if any(o.error is not None or len(a) != len(p) for o, a, p in zip(outs, actual, plan.lengths)):
+            return
+        self.placements.observe(plan.lengths, actual, len(plan.workers), cost=self.cost,
+                                max_num_seqs=self.max_num_seqs,
+                                prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])),
+                                error_sigma=self.length_error_sigma,
+                                max_tokens=max((r.params.max_tokens for r in requests), default=None))
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],
