@@ -89,12 +89,17 @@ def _phase(where: str) -> str:
     return where
 
 
+def _reference(base: str, run: Path, extra: list[str], env: dict[str, str]) -> float:
+    """The uninterrupted run the kills are drawn over; returns its wall time."""
+    t0 = time.perf_counter()
+    subprocess.run(_cli(*rl_overrides(base, run), *extra), check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
 def kill_trials(base: str, work: Path, kills: int, aimed: int, seed: int, env: dict[str, str]) -> list[dict]:
     ref = work / "ref"
-    t0 = time.perf_counter()
-    subprocess.run(_cli(*rl_overrides(base, ref), *STEPS), check=True, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
+    wall = _reference(base, ref, STEPS, env)
     want = learning_metrics(ref)
     print(f"uninterrupted run: {wall:.1f} s, {len(want)} metric rows")
     rng = random.Random(seed)
@@ -165,11 +170,7 @@ def _engine_core(pid: int) -> int | None:
 
 def vllm_trials(base: str, work: Path, kills: int, engine_kills: int, seed: int, env: dict[str, str]) -> list[dict]:
     """Kill -9 of the trainer or of its vLLM engine core, then --resume until the run finishes."""
-    ref = work / "vllm-ref"
-    t0 = time.perf_counter()
-    subprocess.run(_cli(*rl_overrides(base, ref), *VLLM), check=True, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
+    wall = _reference(base, work / "vllm-ref", VLLM, env)
     print(f"uninterrupted vLLM run: {wall:.1f} s")
     rng = random.Random(seed)
     rows = []
