@@ -405,3 +405,45 @@ def test_mistakes_on_the_vllm_path_are_one_line(monkeypatch, capsys):
         assert main(["train"]) == 2
         err_out = capsys.readouterr().err
         assert len(err_out.strip().splitlines()) == 1 and type(err).__name__ in err_out and str(err) in err_out
+
+
+def test_every_dotted_reference_and_section_reference_in_code_and_docs_resolves():
+    """`rhymerl.a.b` in a docstring, comment or doc names something that exists, and "README
+    *Section*" / "results.md *Section*" name a heading that exists: renames leave no stale pointers."""
+    import importlib
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "rhymerl").rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md",
+             *(root / "scripts").glob("*.py")]
+
+    def resolves(ref: str) -> bool:
+        parts = ref.split(".")
+        for i in range(len(parts), 0, -1):
+            name = ".".join(parts[:i])
+            try:
+                if importlib.util.find_spec(name) is None:
+                    continue
+            except ModuleNotFoundError:
+                continue
+            obj = importlib.import_module(name)
+            for attr in parts[i:]:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+        return False
+
+    headings = {doc: [ln.lstrip("#").strip() for ln in (root / path).read_text().splitlines() if ln.startswith("#")]
+                for doc, path in (("README", "README.md"), ("results.md", "docs/results.md"))}
+    stale = []
+    for f in files:
+        text = f.read_text()
+        stale += [f"{f.name}: {m}" for m in sorted(set(re.findall(r"\brhymerl(?:\.[A-Za-z_]\w*)+", text)))
+                  if not resolves(m)]
+        for doc, section in re.findall(r"\b(README|results\.md)(?:'s)? \*([^*]+)\*", text):
+            if not any(h.startswith(section) for h in headings[doc]):
+                stale.append(f"{f.name}: {doc} *{section}*")
+    assert not stale, stale

@@ -171,7 +171,7 @@ class RolloutCoordinator:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  prompt_keys: list[str] | None = None, step: int = -1, use_tqdm: bool = False,
                  policy: str = "least_loaded") -> list[RequestOutput]:
-        """Like :meth:`rhymerl.engine.LLM.generate` (no history is recorded without prompt keys)."""
+        """Like :meth:`rhymerl.llm.LLM.generate` (no history is recorded without prompt keys)."""
         from rhymerl.tokenizer import encode_prompt
 
         prompts = list(prompts)

@@ -26,7 +26,7 @@ class WorkerSpec:
     threads: int = 1  # torch intra-op threads of this worker (0: leave as they are)
     seed: int = 0
     invariant: bool = False  # shape-invariant numerics (rhymerl.model.invariant)
-    engine: str = "native"  # native | vllm (rhymerl.distribution.ENGINES)
+    engine: str = "native"  # native | vllm (rhymerl.rollout_engines.ENGINES)
     timeout_s: float = 300.0  # bounds the worker's own calls into its engine (vLLM's RPCs)
 
 
