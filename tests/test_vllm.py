@@ -213,7 +213,7 @@ def responses(engine, prompts, params, seed, keys=None):
 
 SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9)}
 METHODS = {
-    "history": SpecConfig(method="history", max_draft=6),
+    "history": SpecConfig(method="history", max_draft=6, gate=False),  # the verifier under drafts at every step
     "ngram": SpecConfig(method="ngram", max_draft=4, prompt_lookup_min=1, prompt_lookup_max=3),
     "suffix": SpecConfig(method="suffix", max_draft=4),  # vLLM's own, backed by arctic-inference
     "draft_model": None,  # the base drafting for itself (built in the test: it needs the path)

@@ -26,6 +26,9 @@ class Runner:
 
 
 def proposer(runner: Runner, k: int = 6, **rhymerl) -> HistoSpecProposer:
+    """A proposer drafting at every step (the stand-in engine's steps take no time to gate on)."""
+    rhymerl.setdefault("speculative", {})
+    rhymerl["speculative"] = {"gate": False, **rhymerl["speculative"]}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                           additional_config={"rhymerl": rhymerl},
                           model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: VOCAB))
@@ -212,3 +215,24 @@ def test_an_engine_that_dies_under_a_call_is_named_in_one_error():
                 raise ValueError("x")
     finally:
         dog.close()
+
+
+@pytest.mark.parametrize("c0, c1, alpha, drafts", [
+    (0.010, 0.0002, 0.1, False),  # compute-bound (a CPU): mostly rejected drafts cost more than they give
+    (0.010, 0.0002, 0.9, True),  # ... mostly accepted ones pay
+    (0.002, 0.0004, 0.9, False),  # all cost per token (c1 B / step = 0.93): even 90 % acceptance does not
+    (0.030, 0.00002, 0.1, True),  # fixed costs dominate (a GPU's memory-bound decode): even poor drafts pay
+])
+def test_the_draft_gate_drafts_where_it_pays_on_this_engine(c0, c1, alpha, drafts):
+    from rhymerl.vllm.draft_gate import DraftGate
+
+    gate, rng, rows = DraftGate(), random.Random(0), 64
+    drafted_steps = 0
+    for step in range(400):
+        d = 4 * rows if gate.decide(rows) else 0
+        drafted_steps += d > 0
+        accepted = sum(rng.random() < alpha for _ in range(d))
+        gate.observe_step(rows + d, (c0 + c1 * (rows + d)) * rng.uniform(0.95, 1.05))
+        gate.observe_drafts(rows, d, accepted, 0.0005 if d else 0.0)
+    share = drafted_steps / 400
+    assert (share > 0.9) if drafts else (share < 0.2), (share, gate.alpha, gate.cost_line())

@@ -20,7 +20,8 @@ from the earlier epochs with no code of ours in its loop. ``additional_config["r
 - ``history``: a history file a rhymerl run wrote (``RUN/checkpoints/step_N/history.json.gz``);
 - ``history_tokens``: the token budget (default :data:`HISTORY_TOKENS`);
 - ``record``: false turns self-recording off;
-- ``speculative``: :class:`rhymerl.drafting.SpecConfig` fields (``history_epochs``, ``sources``...).
+- ``speculative``: :class:`rhymerl.drafting.SpecConfig` fields (``history_epochs``, ``sources``...;
+  ``gate``: false drafts at every step, true (the default) only where drafting pays on this engine).
 
 A rhymerl trainer pushes each prompt's history before its step (``put_history``): a pushed
 prompt's history replaces what was recorded for it. vLLM verifies every draft with its
@@ -42,6 +43,7 @@ from typing import Any
 
 from rhymerl.drafting import HistoryStore, SpecConfig, SpecController, source_names
 from rhymerl.drafting.length_policy import resolve
+from rhymerl.vllm.draft_gate import DraftGate
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 
@@ -59,7 +61,8 @@ def prompt_hash_key(prompt_ids) -> str:
 
 def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     """The drafting config inside vLLM: history by default, index sources only, path drafts
-    of at most ``k`` tokens (vLLM verifies chains), no time gate (vLLM schedules the drafts)."""
+    of at most ``k`` tokens (vLLM verifies chains). The native engine's gate is off there:
+    :class:`rhymerl.vllm.draft_gate.DraftGate` decides from vLLM's own steps instead."""
     fields = dict(extra or {})
     fields.setdefault("method", "history")
     cfg = SpecConfig.from_mapping(fields)
@@ -105,6 +108,10 @@ class HistoSpecProposer:
                                                       max_bytes=16 * budget + (1 << 20)))
             log.info("rhymerl history: %d prompts from %s", len(self.store), extra["history"])
         self.recorder = Recorder(self.store) if extra.get("record", True) else None
+        # Draft only where it pays on this engine (draft_gate.py); speculative.gate=false drafts always.
+        self.gate = DraftGate() if SpecConfig.from_mapping(extra.get("speculative") or {}).gate else None
+        self._t_end: float | None = None  # when the last propose call returned (vLLM's step runs between)
+        self._scored = 0  # tokens the step after the last call scored: its rows plus their drafts
         self.controller = SpecController(self.cfg, self.store)
         self.runner = runner if runner is not None else _find_runner()
         self._seqs: dict[str, Sequence] = {}
@@ -113,6 +120,8 @@ class HistoSpecProposer:
         self._began = False  # a rhymerl trainer labels rollouts with its steps (begin)
         self._sampler_ok: bool | None = None  # the rejection sampler's expansion probed correct here
         self.propose_s = 0.0  # time inside propose (vLLM's step waits for it)
+        self._step_s: float | None = None
+        self._last_propose_s = 0.0
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's hook for drafters with weights: this one has none."""
@@ -160,18 +169,24 @@ class HistoSpecProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings: Any = None) -> list[list[int]]:
         t0 = time.perf_counter()
+        self._step_s = t0 - self._t_end if self._t_end is not None else None
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         finally:
-            self.propose_s += time.perf_counter() - t0
+            self._t_end = time.perf_counter()
+            self._last_propose_s = self._t_end - t0
+            self.propose_s += self._last_propose_s
 
     def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         req_ids = list(self.runner.input_batch.req_ids)[: len(sampled_token_ids)]
         self._observe(sampled_token_ids, req_ids)
         self._retire(set(req_ids))
-        seqs, rows = self._rows(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, req_ids)
+        seqs, rows, admitted = self._rows(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, req_ids)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if not seqs:
+        if self.gate is not None and self._step_s is not None and not admitted:
+            self.gate.observe_step(self._scored, self._step_s)  # a step without prefills: decode cost alone
+        self._scored = len(req_ids)
+        if not seqs or (self.gate is not None and not self.gate.decide(len(seqs))):
             return out
         batch = self.controller.propose(seqs)
         if batch is None:
@@ -185,6 +200,7 @@ class HistoSpecProposer:
             out[i] = toks[b][:d]
             drafted.append(d)
         self._last = (seqs, [req_ids[i] for i in rows], drafted)
+        self._scored += sum(drafted)
         return out
 
     def _retire(self, live: set[str]) -> None:
@@ -202,8 +218,9 @@ class HistoSpecProposer:
                 self.recorder.finish(seq, self.controller.step if self._began else None)
 
     def _rows(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-              req_ids: list[str]) -> tuple[list[Sequence], list[int]]:
-        """The batch's rows that can draft, their sequences brought up to date."""
+              req_ids: list[str]) -> tuple[list[Sequence], list[int], bool]:
+        """The batch's rows that can draft, their sequences brought up to date, and whether any
+        request is new here (its prefill ran in the step just done)."""
         seqs, rows, new = [], [], []
         for i, rid in enumerate(req_ids):
             if not sampled_token_ids[i]:  # a partial prefill: nothing to continue yet
@@ -225,7 +242,7 @@ class HistoSpecProposer:
             rows.append(i)
         if new:
             self.controller.on_admit(new)
-        return seqs, rows
+        return seqs, rows, bool(new)
 
     def _sampler_is_correct(self) -> bool:
         if self._sampler_ok is None:
@@ -250,6 +267,8 @@ class HistoSpecProposer:
         emitted = {rid: len(t) for rid, t in zip(req_ids, sampled_token_ids)}
         accepted = [min(d, max(0, emitted.get(rid, 1) - 1)) if d else 0 for rid, d in zip(rids, drafted)]
         self.controller.observe(seqs, drafted, accepted)
+        if self.gate is not None:
+            self.gate.observe_drafts(len(seqs), sum(drafted), sum(accepted), self._last_propose_s)
 
 
 class _Groups:
