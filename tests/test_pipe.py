@@ -370,7 +370,7 @@ def test_migration_and_stealing_keep_the_tokens(model_dir):
     for r in reqs:
         store.add(r.prompt_key, r.prompt_ids, [[5]], step=0)
     co = RolloutCoordinator(pool, policy="histopipe", history=store, cost=LINEAR, max_num_seqs=16,
-                            tail_fraction=1.0, slice_s=0.0)
+                            tail_fraction=1.0, slice_s=0.0, placement="lpt")  # a placement that migrates
     plan = co.plan(reqs, 1)
     plan.workers = [[u for w in plan.workers for u in w], []]  # all work on worker 0: worker 1 must take some
     outs = co.rollout(reqs, 1, plan=plan)

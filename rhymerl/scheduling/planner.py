@@ -179,8 +179,9 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     tail_moves = migrate and policy in ("histopipe", "prompt_oracle")
     dists = LengthDists.from_samples(lens, policy_error, max_tokens)
     candidates = {
-        # Placements that know nothing of lengths are candidates too: judged on the same draws,
-        # HistoPipe picks them where the predictions do not beat them (never behind by design).
+        # Placements that know nothing of lengths, or little: named, and among what a coordinator
+        # scores on real outcomes (placement_scores.py); judged on draws from the predictions
+        # (auto here) they would always look worst, so they are not auto's candidates.
         "least_loaded": lambda: _least_loaded(lens, R),
         "lpt_samples": lambda: _lpt_samples(lens, R, cost, max_num_seqs, prompt_len),
         "lpt": lambda: _lpt(lens, R, cost, max_num_seqs, prompt_len),
@@ -204,7 +205,7 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
             judged = [[rng.permutation(x).tolist() for x in lens] for _ in range(2)]
         else:
             judged = [dists.draw([len(x) for x in lens], rng) for _ in range(2)]
-        names = ("lpt", "contiguous") if policy == "oracle" else tuple(candidates)
+        names = ("lpt", "contiguous") if policy == "oracle" else ("lpt", "contiguous", "spread", "stripe")
 
         def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
             # The mean over the draws, the expected makespan (the worse of two draws ranks plans
