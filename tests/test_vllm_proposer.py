@@ -26,9 +26,6 @@ class Runner:
 
 
 def proposer(runner: Runner, k: int = 6, **rhymerl) -> HistoSpecProposer:
-    """A proposer drafting at every step (the stand-in engine's steps take no time to gate on)."""
-    rhymerl.setdefault("speculative", {})
-    rhymerl["speculative"] = {"gate": False, **rhymerl["speculative"]}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                           additional_config={"rhymerl": rhymerl},
                           model_config=SimpleNamespace(max_model_len=MAX_LEN, get_vocab_size=lambda: VOCAB))

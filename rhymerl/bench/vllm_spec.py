@@ -24,8 +24,7 @@ from rhymerl.sample_stats import same_distribution
 METHODS: dict[str, SpecConfig] = {
     "ngram": SpecConfig(method="ngram", max_draft=8, prompt_lookup_min=2, prompt_lookup_max=5),
     "suffix": SpecConfig(method="suffix", max_draft=8),
-    "history": SpecConfig(method="history", max_draft=16),  # gated: drafts where it pays here
-    "history_ungated": SpecConfig(method="history", max_draft=16, gate=False),  # the sources alone
+    "history": SpecConfig(method="history", max_draft=16),
 }
 
 

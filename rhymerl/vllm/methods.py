@@ -12,7 +12,7 @@ PROPOSER = "rhymerl.vllm.HistoSpecProposer"
 
 # SpecConfig fields the HistoSpec proposer reads inside vLLM (sent in additional_config).
 _PROPOSER_FIELDS = ("sources", "max_draft", "length_policy", "min_prob", "pattern_max", "pattern_min",
-                    "history_epochs", "reward_weight", "prompt_lookup_min", "prompt_lookup_max", "gate")
+                    "history_epochs", "reward_weight", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def _history(c: SpecConfig) -> dict[str, Any]:
