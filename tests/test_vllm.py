@@ -507,7 +507,7 @@ def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_
     path, prompts = tiny
     eng = engines.get("eagle3", _model_spec("eagle3", path, tmp_path))
     worker = VllmRolloutWorker(WorkerSpec(path, engine="vllm"), engine=eng)
-    base, moved = load_pretrained(path), load_pretrained(path)
+    moved = load_pretrained(path)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in moved.parameters():
