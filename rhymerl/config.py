@@ -117,9 +117,8 @@ class RolloutSection:
     invariant: bool = False
     # Engines other than the native one (vLLM) sample with log-probs that are checked against the
     # trainer's on the same tokens every step: a step whose largest gap exceeds this stops the run
-    # (a weight sync that missed a layer, or numerics apart). None: 1e-2 for float32 (measured:
-    # healthy steps <= 1.3e-3, a sync without lm_head 0.06-0.11), 2.0 for bfloat16/float16 (not
-    # measured here; catches gross failures only). 0: logged, never enforced.
+    # (a weight sync that missed a layer, or numerics apart). None: 1e-2 for float32, 2.0 for
+    # bfloat16/float16 (training/engine_checks.py). 0: logged, never enforced.
     max_logp_gap: float | None = None
     # torch threads of each rollout engine (0: this process's for one local worker, else cores
     # / workers). Float results depend on it: it is part of what exactness holds for.

@@ -155,7 +155,8 @@ class RolloutCoordinator:
 
     def _learn_placement(self, plan: Plan, requests: list[RolloutRequest], outs: list[RequestOutput]) -> None:
         """Score each placement on this step's actual lengths (only a complete step: every sample)."""
-        if self.placement != "auto" or plan.lengths is None or plan.known is None or not plan.known.any():
+        if self.placement != "auto" or len(plan.workers) < 2 or plan.lengths is None or plan.known is None \
+                or not plan.known.any():  # one worker: every placement is the same
             return
         actual = [[len(c.token_ids) for c in o.outputs] for o in outs]
         if any(o.error is not None or len(a) != len(p) for o, a, p in zip(outs, actual, plan.lengths)):

@@ -3,8 +3,7 @@
 A placement is judged on what happened, not on what the predictions say would happen: after a
 step, each candidate's plan is rebuilt from that step's *predictions* and simulated on its
 *actual* lengths. Judging plans on lengths drawn from the predictions favours the plans that
-trust them most (on the main job's own traces at 1,024 workers, that judge picked a placement
-11 % slower than least-loaded routing); an outcome cannot be fooled that way. The placement
+trust them most (docs/design.md has the measurement); an outcome cannot be fooled that way. The placement
 with the lowest recent makespan relative to the step's best is used next, with tail migration
 or without (migration reads the predictions too: where they carry nothing it moves the wrong
 samples); before any step has been seen, least-loaded routing's deal, without migration, which
@@ -13,8 +12,6 @@ knows nothing of lengths and so cannot be misled by them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from rhymerl.scheduling.cost import StepCost
 
@@ -71,13 +68,6 @@ class PlacementScores:
             self.scores[key] = r if old is None else self.decay * old + (1 - self.decay) * r
         self.steps += 1
         return rel
-
-    def state_dict(self) -> dict:
-        return {"scores": dict(self.scores), "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scores = {str(k): float(v) for k, v in state.get("scores", {}).items() if np.isfinite(v)}
-        self.steps = int(state.get("steps", 0))
 
 
 def _key(placement: str, migrate: bool) -> str:

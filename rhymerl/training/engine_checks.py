@@ -3,10 +3,13 @@ samples with other weights or numerics than the trainer's trains off-policy with
 so the run stops at the first step that shows it."""
 from __future__ import annotations
 
-# The default limit on the largest log-prob gap of a step, by the engines' dtype. float32: the
-# main job on vLLM measured a median step of 3.2e-5 and a worst of 1.27e-3 over 80 steps, and a
-# sync that missed the tied lm_head 0.06-0.11; 1e-2 sits between. bfloat16/float16: not
-# measured here (no GPU); 2.0 catches a stale or partly synced engine, not numerics drift.
+import logging
+
+log = logging.getLogger(__name__)
+
+# The default limit on the largest log-prob gap of a step, by the engines' dtype: above healthy
+# steps' worst and below a partly synced engine's (float32's chosen from runs: docs/design.md);
+# bfloat16/float16's catches a stale engine only, not numerics drift.
 DEFAULT_MAX_LOGP_GAP = {"float32": 1e-2, "bfloat16": 2.0, "float16": 2.0}
 
 
@@ -41,15 +44,13 @@ class DrafterHealth:
         self.warned = False
 
     def update(self, accepted_per_forward: float, step: int) -> float:
-        import logging
-
         mean = sum(self.trail) / len(self.trail) if self.trail else accepted_per_forward
         health = accepted_per_forward / mean if mean > 0 else 1.0
         # below half of what drafting gave (tokens beyond the one a forward always makes)
         self.low = self.low + 1 if self.trail and mean > 1.0 and health < self.collapse else 0
         if self.low >= self.patience and not self.warned:
             self.warned = True
-            logging.getLogger(__name__).warning(
+            log.warning(
                 "step %d: speculation collapsed: %.2f accepted tokens per forward against a trailing mean of %.2f "
                 "for %d steps (spec/health %.2f); draft weights stale after a sync, or drafts from the wrong states?",
                 step, accepted_per_forward, mean, self.low, health)

@@ -2,8 +2,7 @@
 
 vLLM's engine core and its workers are processes of their own; when the trainer that started
 them is killed (kill -9, an OOM kill) they stay behind, holding their memory and cores while the
-resumed run starts new ones beside them (measured: an orphaned engine core and worker kept
-running at full CPU). :func:`register`, a ``vllm.general_plugins`` entry point, runs in every
+resumed run starts new ones beside them. :func:`register`, a ``vllm.general_plugins`` entry point, runs in every
 vLLM process; in one started under a rhymerl engine (``RHYMERL_VLLM_OWNER``, the starting
 process's pid, set by :class:`rhymerl.vllm.engine.VllmEngine`) it asks Linux to kill it when its
 parent ends (``PR_SET_PDEATHSIG``): the engine core with the trainer, the workers with the core.

@@ -109,8 +109,8 @@ class HistoSpecProposer:
                                                       max_bytes=16 * budget + (1 << 20)))
             log.info("rhymerl history: %d prompts from %s", len(self.store), extra["history"])
         self.recorder = Recorder(self.store) if extra.get("record", True) else None
-        # Opt-in: draft only where it pays on this engine (draft_gate.py). Off by default until it is
-        # measured ahead over rounds (one round here: epoch 1 0.99x vs 1.04x drafting always).
+        # Opt-in: draft only where it pays on this engine (draft_gate.py); off by default until
+        # rounds timed in turn show it ahead of drafting always (docs/design.md).
         self.gate = DraftGate() if extra.get("draft_gate", False) else None
         self._t_end: float | None = None  # when the last propose call returned (vLLM's step runs between)
         self._scored = 0  # tokens the step after the last call scored: its rows plus their drafts
