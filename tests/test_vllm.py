@@ -641,26 +641,35 @@ def test_histospec_runs_in_any_vllm_program_from_a_history_file(engines, tiny, t
     for i, (ids, out) in enumerate(zip(prompts, plain)):
         store.add(f"train-{i}" if i < half else prompt_hash_key(ids), ids, [out], step=1)
     store.save(tmp_path / "history.json.gz")
+    # Recording off: this test is about the file (the next one about recording), and a part run
+    # twice must draft from the file alone both times.
     llm = vllm.LLM(path, max_model_len=48, max_num_seqs=128, enforce_eager=True, dtype="float32", seed=0,
                    disable_log_stats=False,
                    speculative_config={"method": "custom_class", "model": "rhymerl.vllm.HistoSpecProposer",
                                        "num_speculative_tokens": 6},
-                   additional_config={"rhymerl": {"history": str(tmp_path / "history.json.gz")}})
+                   additional_config={"rhymerl": {"history": str(tmp_path / "history.json.gz"), "record": False}})
+
+    def accepted_per_draft(part, extra) -> float:
+        before = _spec_counts(llm)
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in part],
+                            [vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra(i))
+                             for i in part], use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [plain[i] for i in part]
+        (a1, d1), (a0, d0) = _spec_counts(llm), before
+        return (a1 - a0) / max(d1 - d0, 1)
+
+    named, hashed = range(half), range(half, len(prompts))
     try:
-        accepted = []
-        for part, extra in ((range(half), lambda i: {"prompt_key": f"train-{i}"}),  # named
-                            (range(half, len(prompts)), lambda i: None)):  # keyed by their tokens
-            before = _spec_counts(llm)
-            outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in part],
-                                [vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra(i))
-                                 for i in part], use_tqdm=False)
-            assert [list(o.outputs[0].token_ids) for o in outs] == [plain[i] for i in part]
-            (a1, d1), (a0, d0) = _spec_counts(llm), before
-            accepted.append((a1 - a0) / max(d1 - d0, 1))  # tokens accepted per draft
+        # Baseline in the same engine: the named half under keys the file does not hold, so only
+        # the sources over every stored response draft (and the engine's first call is behind us).
+        unmatched = accepted_per_draft(named, lambda i: {"prompt_key": f"other-{i}"})
+        by_name = accepted_per_draft(named, lambda i: {"prompt_key": f"train-{i}"})
+        by_tokens = accepted_per_draft(hashed, lambda i: None)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    # 3.48-3.62 here; 2.09-2.45 with the file's keys not matching the requests' (other sources draft)
-    assert all(a > 3 for a in accepted), accepted
+    # Intel Xeon: 3.5-3.6 accepted per draft from the prompt's own response, 2.1-2.5 without it.
+    got = {"unmatched": unmatched, "by_name": by_name, "by_tokens": by_tokens}
+    assert by_name > unmatched + 0.5 and by_tokens > unmatched + 0.5 and min(by_name, by_tokens) > 2.5, got
 
 
 @needs_vllm

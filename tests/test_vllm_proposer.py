@@ -233,3 +233,22 @@ def test_the_draft_gate_drafts_where_it_pays_on_this_engine(c0, c1, alpha, draft
         gate.observe_drafts(rows, d, accepted, 0.0005 if d else 0.0)
     share = drafted_steps / 400
     assert (share > 0.9) if drafts else (share < 0.2), (share, gate.alpha, gate.cost_line())
+
+
+def test_a_recorded_rollout_comes_after_the_prompts_stored_ones():
+    """A response recorded here is a new rollout of its prompt, labelled after the ones on file:
+    it replaces the file's (one epoch kept), never merges into it as the same step."""
+    from rhymerl.drafting import HistoryStore
+    from rhymerl.vllm.proposer import Recorder
+
+    store = HistoryStore(max_rollouts=1)
+    store.add("p", [5, 6], [[7, 8, 9]], step=4)  # as loaded from a run's history file
+    rec = Recorder(store)
+    for out in ([10, 11], [12]):  # two samples of the prompt, run together
+        rec.admit(SimpleNamespace(prompt_key="p", prompt_ids=[5, 6], output_ids=out))
+    for out in ([10, 11], [12]):
+        rec.finish(SimpleNamespace(prompt_key="p", prompt_ids=[5, 6], output_ids=out), None)
+    assert [(r.step, r.responses) for r in store.prompts["p"].rollouts] == [(5, [[10, 11], [12]])]
+    rec.admit(SimpleNamespace(prompt_key="q", prompt_ids=[3], output_ids=[4]))
+    rec.finish(SimpleNamespace(prompt_key="q", prompt_ids=[3], output_ids=[4]), 9)  # a trainer's step
+    assert store.prompts["q"].rollouts[0].step == 9

@@ -303,7 +303,6 @@ class Recorder:
     def __init__(self, store: HistoryStore) -> None:
         self.store = store
         self.open: dict[str, tuple[list[int], int, list[list[int]]]] = {}  # key -> (prompt, live, responses)
-        self._label = 0
 
     def admit(self, seq: Sequence) -> None:
         prompt, live, responses = self.open.get(seq.prompt_key, (seq.prompt_ids, 0, []))
@@ -320,6 +319,7 @@ class Recorder:
             self.open[seq.prompt_key] = (prompt, live - 1, responses)
             return
         del self.open[seq.prompt_key]
-        self._label += 1
-        label = step if step is not None else self._label
-        self.store.add(seq.prompt_key, prompt, responses, label)
+        if step is None:  # a new rollout of this prompt: after every one it has (a file's included)
+            h = self.store.prompts.get(seq.prompt_key)
+            step = h.rollouts[-1].step + 1 if h is not None and h.rollouts else 1
+        self.store.add(seq.prompt_key, prompt, responses, step)
