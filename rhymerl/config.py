@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from rhymerl.drafting.config import SpecConfig
+from rhymerl.drafting.config import SpecConfig, renamed_keys
 from rhymerl.scheduling.length_predictor import STATS
 from rhymerl.scheduling.planner import PLACEMENTS, SCHEDULES
 
@@ -274,6 +274,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
+    if getattr(cls, "RENAMED", None):  # old key names in a file or an override: read, with a warning
+        try:
+            data = renamed_keys(data, prefix)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for k in data:
@@ -453,9 +458,10 @@ def _ranges() -> dict[str, tuple[str, Any]]:
             "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers", "model.num_attention_heads",
             "model.num_key_value_heads", "data.num_train", "sft.steps", "sft.batch_size", "sft.lr", "sft.num_examples",
             "sft.max_minutes", "rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
-            "rollout.speculative.max_draft", "rollout.speculative.pattern_max", "rollout.speculative.history_epochs",
+            "rollout.speculative.index_draft_tokens", "rollout.speculative.pattern_max",
+            "rollout.speculative.history_epochs",
             "rollout.speculative.prompt_lookup_min", "rollout.speculative.prompt_lookup_max",
-            "rollout.speculative.draft_max", "rollout.speculative.draft_head_lr", "rollout.workers",
+            "rollout.speculative.model_draft_tokens", "rollout.speculative.draft_head_lr", "rollout.workers",
             "rollout.worker_timeout_s", "reward.timeout_s", "reward.workers", "trainer.steps", "trainer.batch_prompts",
             "trainer.lr", "trainer.grad_clip", "trainer.ppo_epochs", "trainer.ppo_mini_batches",
             "trainer.micro_batch_size", "trainer.world_size", "trainer.collective_timeout_s",

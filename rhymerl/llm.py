@@ -31,7 +31,7 @@ class LLM:
         kv_cache_tokens: KV memory budget in tokens (default: room for ``max_num_seqs``
             full-length sequences); fewer slots than ``max_num_seqs`` make requests wait.
         speculative: ``None``, a :class:`rhymerl.drafting.SpecConfig` or its dict, such as
-            ``{"method": "history", "max_draft": 16}`` or ``{"method": "draft_model",
+            ``{"method": "history", "index_draft_tokens": 16}`` or ``{"method": "draft_model",
             "draft_model": PATH}``, or a ready :class:`Proposer`. With history sources this
             LLM records each request's responses under its prompt key after ``generate``.
         seed: seeds the draws of requests whose ``SamplingParams.seed`` is None.

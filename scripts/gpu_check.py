@@ -160,7 +160,7 @@ def identity(s: Sizes, work: Path) -> dict:
     plain = LLM(path, device=s.device, dtype=s.dtype, max_num_seqs=64, max_model_len=256)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     spec = LLM(path, device=s.device, dtype=s.dtype, max_num_seqs=64, max_model_len=256,
-               speculative={"method": "history", "max_draft": 16})
+               speculative={"method": "history", "index_draft_tokens": 16})
     for epoch in (1, 2):  # history, as RL writes it
         spec.generate(prompts, [SamplingParams(n=8, temperature=1.0, max_tokens=160, seed=epoch * 1000 + i)
                                 for i in range(len(prompts))], prompt_keys=keys, step=epoch, use_tqdm=False)

@@ -48,7 +48,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         "sft.eval_prompts=8", "data.num_val=8", "data.num_train=6", "trainer.batch_prompts=4", "rollout.n=2",
         "rollout.max_tokens=24", "rollout.max_model_len=48", "trainer.steps=4", "trainer.save_every=1",
         "trainer.eval_every=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "rollout.speculative.max_draft=4",
+        "rollout.speculative.index_draft_tokens=4",
         "algorithm.kl_coef=0.05", "trainer.ppo_mini_batches=1",  # a reference model to checkpoint and resume
         "algorithm.dynamic_sampling=false",  # 2 samples per group: the default filter would drop most groups
         # The tiny base rarely earns a reward, so every group's advantage is 0: an entropy term

@@ -150,7 +150,7 @@ def test_hybrid_picks_a_source_per_request_and_keeps_tokens(target_dir):
     store = HistoryStore()
     for k, p, toks in list(zip(KEYS, PROMPTS, ref))[:4]:
         store.add(k, p, toks, step=0)  # these prompts' history is the very responses to come
-    prop = build_proposer({"method": "hybrid", "draft_model": target_dir, "gate": False, "draft_max": 2},
+    prop = build_proposer({"method": "hybrid", "draft_model": target_dir, "gate": False, "model_draft_tokens": 2},
                           store, target=m)
     got, llm = _run(m, prop, sp, keys=KEYS)
     assert got == ref

@@ -165,7 +165,7 @@ def test_a_new_rows_first_draft_has_its_policys_start_length(policy, first):
     from rhymerl.drafting import SpecConfig
     from rhymerl.engine.sequence import Sequence
 
-    d = build_proposer(SpecConfig(sources=["prompt_history"], gate=False, length_policy=policy, max_draft=12))
+    d = build_proposer(SpecConfig(sources=["prompt_history"], gate=False, length_policy=policy, index_draft_tokens=12))
     d.store.add("k", [5, 6, 7], [list(range(1, 40))], step=1)
     s = Sequence(0, 0, [5, 6, 7], SamplingParams(max_tokens=50), seed=0, prompt_key="k")
     s.output_ids, s.limit = [1, 2, 3], 50

@@ -54,10 +54,10 @@ def test_invariant_tokens_and_logprobs_at_any_batch_with_or_without_drafts(dtype
     m = tiny_model(std=0.1)
     ref = _gen(m, batch=64, spec=None, invariant=True, dtype=dtype, **sp)
     for batch, spec in [(3, None), (16, None),
-                        (64, {"method": "ngram", "max_draft": 6, "gate": False}),
-                        (5, {"method": "ngram", "max_draft": 6, "gate": True}),
-                        (64, {"method": "ngram", "max_draft": 6, "tree_budget": 8, "gate": False}),
-                        (7, {"method": "history", "max_draft": 6, "tree_budget": 8, "gate": True})]:
+                        (64, {"method": "ngram", "index_draft_tokens": 6, "gate": False}),
+                        (5, {"method": "ngram", "index_draft_tokens": 6, "gate": True}),
+                        (64, {"method": "ngram", "index_draft_tokens": 6, "tree_budget": 8, "gate": False}),
+                        (7, {"method": "history", "index_draft_tokens": 6, "tree_budget": 8, "gate": True})]:
         got = _gen(m, batch=batch, spec=spec, invariant=True, dtype=dtype, **sp)
         assert got == ref, (batch, spec)  # tokens and log-probs, bit for bit
 

@@ -21,8 +21,8 @@ from rhymerl.tokenizer import build_char_tokenizer, encode_prompt
 def test_config_overrides_and_errors(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("trainer:\n  lr: 2.0e-4\nrollout:\n  n: 4\n")
-    cfg = load_config(f, ["trainer.lr=1e-5", "rollout.speculative.max_draft=8"])
-    assert cfg.trainer.lr == 1e-5 and cfg.rollout.n == 4 and cfg.rollout.speculative.max_draft == 8
+    cfg = load_config(f, ["trainer.lr=1e-5", "rollout.speculative.index_draft_tokens=8"])
+    assert cfg.trainer.lr == 1e-5 and cfg.rollout.n == 4 and cfg.rollout.speculative.index_draft_tokens == 8
     for bad, where in ((["trainer.lrr=1"], "trainer.lrr"), (["rollout.n=abc"], "rollout.n"),
                        (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator"),
                        (["rollout.top_p=0"], "rollout.top_p")):
@@ -31,6 +31,24 @@ def test_config_overrides_and_errors(tmp_path):
     f.write_text("trainer: [1, 2\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(f)
+
+
+def test_the_old_draft_length_names_are_read_with_a_warning(tmp_path):
+    """``max_draft``/``draft_max`` (before they were named for what they bound) still load from a
+    run's config file, an override or a dict, with a warning naming the new key; both at once is refused."""
+    from rhymerl.drafting import SpecConfig
+
+    f = tmp_path / "config.yaml"  # as an older run saved it
+    f.write_text("rollout:\n  speculative:\n    max_draft: 9\n    draft_max: 2\n")
+    with pytest.warns(FutureWarning, match=r"rollout\.speculative\.max_draft is now rollout\.speculative\.index_draft"):
+        cfg = load_config(f)
+    assert (cfg.rollout.speculative.index_draft_tokens, cfg.rollout.speculative.model_draft_tokens) == (9, 2)
+    with pytest.raises(ConfigError, match="max_draft and index_draft_tokens both set"):
+        load_config(f, ["rollout.speculative.index_draft_tokens=4"])
+    with pytest.warns(FutureWarning, match="speculative.draft_max is now speculative.model_draft_tokens"):
+        assert SpecConfig.from_mapping({"draft_max": 3}).model_draft_tokens == 3
+    with pytest.raises(ValueError, match="model_draft_tokens: expected an integer >= 1"):
+        SpecConfig.from_mapping({"model_draft_tokens": 0})
 
 
 def _rows():

@@ -213,9 +213,10 @@ def responses(engine, prompts, params, seed, keys=None):
 
 SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9)}
 METHODS = {
-    "history": SpecConfig(method="history", max_draft=6, gate=False),  # the verifier under drafts at every step
-    "ngram": SpecConfig(method="ngram", max_draft=4, prompt_lookup_min=1, prompt_lookup_max=3),
-    "suffix": SpecConfig(method="suffix", max_draft=4),  # vLLM's own, backed by arctic-inference
+    # gate off: the verifier under drafts at every step
+    "history": SpecConfig(method="history", index_draft_tokens=6, gate=False),
+    "ngram": SpecConfig(method="ngram", index_draft_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
+    "suffix": SpecConfig(method="suffix", index_draft_tokens=4),  # vLLM's own, backed by arctic-inference
     "draft_model": None,  # the base drafting for itself (built in the test: it needs the path)
     "eagle3": None,  # a fresh Eagle3 head for the base (written in the test)
 }
@@ -223,10 +224,10 @@ METHODS = {
 
 def _model_spec(method: str, path: str, tmp: Path) -> SpecConfig:
     if method == "draft_model":
-        return SpecConfig(method="draft_model", draft_model=path, draft_max=3)
+        return SpecConfig(method="draft_model", draft_model=path, model_draft_tokens=3)
     from rhymerl.drafting.eagle3_head import write_head
 
-    return SpecConfig(method="eagle3", draft_model=str(write_head(path, tmp / "eagle3")), draft_max=3)
+    return SpecConfig(method="eagle3", draft_model=str(write_head(path, tmp / "eagle3")), model_draft_tokens=3)
 
 
 @needs_vllm
@@ -563,7 +564,7 @@ def test_an_eagle3_head_trained_here_and_pushed_drafts_better_inside_vllm(engine
     greedy = SamplingParams(n=1, max_tokens=MAX_TOKENS, temperature=0.0)
     _, fresh, got = responses(eng, prompts, greedy, seed=3)
     policy = load_pretrained(path)
-    trainer = Eagle3Trainer(policy, path, lr=3e-3, device=torch.device("cpu"), seed=0, steps=spec.draft_max)
+    trainer = Eagle3Trainer(policy, path, lr=3e-3, device=torch.device("cpu"), seed=0, steps=spec.model_draft_tokens)
     rows = [ids + g[0].tokens for ids, g in zip(prompts, got)]
     W = max(map(len, rows))
     ids = torch.tensor([r + [0] * (W - len(r)) for r in rows])
@@ -868,7 +869,7 @@ def test_the_main_job_on_vllm_trains_an_eagle3_head_and_pushes_it_with_every_syn
     run = tmp_path / "run"
     train(load_config(None, rl_overrides(vllm_base, run) + VLLM_TINY + [
         "rollout.engine=vllm", "trainer.eval_every=0", "rollout.speculative.method=eagle3",
-        "rollout.speculative.draft_max=3", "rollout.speculative.draft_head_lr=3e-3", "trainer.steps=8",
+        "rollout.speculative.model_draft_tokens=3", "rollout.speculative.draft_head_lr=3e-3", "trainer.steps=8",
         "trainer.save_every=4"]), progress=False)
     rows = read_metrics(run / "metrics.jsonl")[1:]
     assert [r["step"] for r in rows] == list(range(1, 9))

@@ -252,3 +252,17 @@ def test_a_recorded_rollout_comes_after_the_prompts_stored_ones():
     rec.admit(SimpleNamespace(prompt_key="q", prompt_ids=[3], output_ids=[4]))
     rec.finish(SimpleNamespace(prompt_key="q", prompt_ids=[3], output_ids=[4]), 9)  # a trainer's step
     assert store.prompts["q"].rollouts[0].step == 9
+
+
+def test_the_draft_length_inside_vllm_is_vllms_num_speculative_tokens():
+    """One way in: the run's index_draft_tokens goes out as num_speculative_tokens and is not
+    sent again beside it; a plain vLLM program setting a different one in additional_config is refused."""
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.vllm.methods import vllm_speculative
+    from rhymerl.vllm.proposer import proposer_config
+
+    spec, extra = vllm_speculative(SpecConfig(method="history", index_draft_tokens=7))
+    assert spec["num_speculative_tokens"] == 7 and "index_draft_tokens" not in extra
+    assert proposer_config(7, extra).index_draft_tokens == 7
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        proposer_config(7, {"index_draft_tokens": 12})

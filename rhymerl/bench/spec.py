@@ -64,10 +64,10 @@ METHODS = ("none", "ngram", "suffix_global", "suffix_per_prompt", "arctic_global
            "histospec_path", "histospec_tree", "draft_model", "draft_model_greedy", "draft_head", "hybrid", "hybrid_tree")
 
 
-def _proposer(method: str, store: HistoryStore, target, *, max_draft: int, gate: bool,
+def _proposer(method: str, store: HistoryStore, target, *, index_draft_tokens: int, gate: bool,
               draft_model: str | None, draft_head: str | None):
     """The proposer of one row, or None for plain decoding; ImportError/LookupError: skipped."""
-    base = SpecConfig(max_draft=max_draft, gate=gate)
+    base = SpecConfig(index_draft_tokens=index_draft_tokens, gate=gate)
     if method == "none":
         return None
     if method == "ngram":
@@ -83,7 +83,7 @@ def _proposer(method: str, store: HistoryStore, target, *, max_draft: int, gate:
     if method == "histospec_path":
         return build_proposer(base.with_(method="history"), store)
     if method == "histospec_tree":
-        return build_proposer(base.with_(method="history", tree_budget=2 * max_draft), store)
+        return build_proposer(base.with_(method="history", tree_budget=2 * index_draft_tokens), store)
     if method in ("draft_model", "draft_model_greedy"):
         if draft_model is None:
             raise LookupError("no draft model")
@@ -98,7 +98,7 @@ def _proposer(method: str, store: HistoryStore, target, *, max_draft: int, gate:
             raise LookupError("no model source for the hybrid")
         return build_proposer(base.with_(method="hybrid", draft_model=draft_model,
                                          draft_head=None if draft_model else draft_head,
-                                         tree_budget=2 * max_draft if method == "hybrid_tree" else 0),
+                                         tree_budget=2 * index_draft_tokens if method == "hybrid_tree" else 0),
                               store, target=target)
     raise ValueError(method)
 
@@ -116,7 +116,7 @@ def default_draft_head() -> str | None:
 def run(json_path: str | None = None, *, model: str | None = None, draft_model: str | None = None,
         draft_head: str | None = None, prompts: int = 32, n: int = 8, epochs=(1, 3), max_num_seqs: int = 64,
         max_tokens: int = 160, temperatures=(1.0, 0.6), gates=(False, True), methods=METHODS,
-        max_draft: int = 16, reps: int = 5, quick: bool = False, dtype: str = "float32",
+        index_draft_tokens: int = 16, reps: int = 5, quick: bool = False, dtype: str = "float32",
         task_cfg=None) -> dict[str, Any]:
     """Rows per temperature, measured epoch, gate (off: every drafter drafts all it finds, so
     tokens per forward measure the sources alone; on: the batch gate decides from this
@@ -165,8 +165,8 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
         for ep in epochs:
             for gate in gates:
                 out_rows += _measure(model, rows, keys, params(ep), ep, stores[ep], per_epoch[ep - 1], temp=temp,
-                                     gate=gate, methods=methods, max_draft=max_draft, max_num_seqs=max_num_seqs,
-                                     draft_model=draft_model, draft_head=draft_head, reps=reps if gate else 1,
+                                     gate=gate, methods=methods, index_draft_tokens=index_draft_tokens,
+                                     max_num_seqs=max_num_seqs, draft_model=draft_model, draft_head=draft_head, reps=reps if gate else 1,
                                      target_loader=lambda: load_pretrained(model, device=device, dtype=torch_dtype),
                                      dtype=dtype)
         if len(per_epoch) >= 2:
@@ -191,7 +191,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
 
 def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParams], epoch: int,
              store: HistoryStore, reference: list[list[list[int]]], *, temp: float, gate: bool, methods,
-             max_draft: int, max_num_seqs: int, draft_model: str | None, draft_head: str | None, reps: int,
+             index_draft_tokens: int, max_num_seqs: int, draft_model: str | None, draft_head: str | None, reps: int,
              target_loader, dtype: str = "float32") -> list[dict[str, Any]]:
     """Every method on one epoch's prompts and seeds (the same tokens as ``reference``)."""
     from rhymerl.tokenizer import load_tokenizer
@@ -201,8 +201,8 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
     for method in methods:
         target = target_loader()
         try:
-            prop = _proposer(method, store, target, max_draft=max_draft, gate=gate, draft_model=draft_model,
-                             draft_head=draft_head)
+            prop = _proposer(method, store, target, index_draft_tokens=index_draft_tokens, gate=gate,
+                             draft_model=draft_model, draft_head=draft_head)
         except (ImportError, LookupError) as e:
             print(f"  T={temp} epoch {epoch} gate={gate} {method}: skipped ({e})")
             continue

@@ -22,9 +22,9 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.sample_stats import same_distribution
 
 METHODS: dict[str, SpecConfig] = {
-    "ngram": SpecConfig(method="ngram", max_draft=8, prompt_lookup_min=2, prompt_lookup_max=5),
-    "suffix": SpecConfig(method="suffix", max_draft=8),
-    "history": SpecConfig(method="history", max_draft=16),
+    "ngram": SpecConfig(method="ngram", index_draft_tokens=8, prompt_lookup_min=2, prompt_lookup_max=5),
+    "suffix": SpecConfig(method="suffix", index_draft_tokens=8),
+    "history": SpecConfig(method="history", index_draft_tokens=16),
 }
 
 

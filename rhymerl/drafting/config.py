@@ -2,8 +2,9 @@
 rollout worker is built from, and what ``LLM(speculative={...})`` takes, field for field."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 
 @dataclass
@@ -13,7 +14,7 @@ class SpecConfig:
 
     method: str = "history"  # none | history | ngram | draft_model | draft_head | hybrid; vLLM only: suffix | eagle3
     sources: list[str] | None = None  # None: the method's own (registry names of rhymerl.drafting.SOURCES)
-    max_draft: int = 16
+    index_draft_tokens: int = 16  # most tokens an index source (history, siblings, ngram) drafts per row
     tree_budget: int = 0  # >0: tree drafts with up to this many nodes
     length_policy: str = "auto"  # auto (per engine) | additive (paper) | multiplicative (release) | longest
     min_prob: float = 0.1
@@ -26,27 +27,49 @@ class SpecConfig:
     prompt_lookup_max: int = 7
     # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer (eagle3: an Eagle3 head's; unset: one trained online).
     draft_model: str | None = None
-    draft_max: int = 4  # tokens a model source drafts per row (one draft forward each)
+    model_draft_tokens: int = 4  # tokens a model source drafts per row (one draft forward each)
     coupled: bool = True  # draft with the target's own per-position uniforms (False: greedy drafts)
     draft_head: str | None = None  # a saved draft head (a folder from rhymerl.drafting.draft_head)
     draft_head_lr: float = 1e-3  # online training of the draft head (or Eagle3 head) during RL
 
+    # Old names still read from config files and dicts (one warning each); removed in a later release.
+    RENAMED: ClassVar[dict[str, str]] = {"max_draft": "index_draft_tokens", "draft_max": "model_draft_tokens"}
+
     @classmethod
     def from_mapping(cls, spec: Mapping[str, Any] | "SpecConfig" | None) -> "SpecConfig":
-        """A config from a dict such as ``{"method": "history", "max_draft": 8}``; unknown keys
-        are refused naming the valid ones."""
+        """A config from a dict such as ``{"method": "history", "index_draft_tokens": 8}``; unknown
+        keys are refused naming the valid ones."""
         if spec is None:
             return cls(method="none")
         if isinstance(spec, SpecConfig):
             return spec
+        spec = renamed_keys(spec, "speculative")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(spec) - names)
         if unknown:
             raise ValueError(f"speculative: unknown keys {unknown} (valid: {sorted(names)})")
+        for key in ("index_draft_tokens", "model_draft_tokens"):
+            if key in spec and not (isinstance(spec[key], int) and spec[key] >= 1):
+                raise ValueError(f"speculative.{key}: expected an integer >= 1, got {spec[key]!r}")
         return cls(**dict(spec))
 
     def with_(self, **changes: Any) -> "SpecConfig":
         return SpecConfig(**{**asdict(self), **changes})
 
 
-__all__ = ["SpecConfig"]
+def renamed_keys(spec: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``spec`` with :attr:`SpecConfig.RENAMED` keys under their new names (a warning naming
+    each); both names at once is refused."""
+    out = dict(spec)
+    for old, new in SpecConfig.RENAMED.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ValueError(f"{where}: {old} and {new} both set ({old} is {new}'s old name: keep {new})")
+        warnings.warn(f"{where}.{old} is now {where}.{new} (the old name is read for now)", FutureWarning,
+                      stacklevel=3)
+        out[new] = out.pop(old)
+    return out
+
+
+__all__ = ["SpecConfig", "renamed_keys"]

@@ -110,7 +110,7 @@ class SpecController(Proposer):
         if policy not in POLICIES:
             raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {['auto'] + sorted(POLICIES)}")
         self.policy, cap = POLICIES[policy]
-        self.cap = min(cap, cfg.max_draft)
+        self.cap = min(cap, cfg.index_draft_tokens)
         self.first = self.policy(0, 0, 0, cap=self.cap)  # a new row's draft length: the policy's start
         self.max_nodes = max(cfg.tree_budget, self.cap)
         for s in sources:

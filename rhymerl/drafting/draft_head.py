@@ -108,7 +108,7 @@ class DraftHeadSource(DraftSource):
         p = next(target.parameters())
         self.head = head.to(device=p.device, dtype=p.dtype).eval()
         self.target = target
-        self.k = max(1, cfg.draft_max)
+        self.k = cfg.model_draft_tokens  # >= 1: SpecConfig.from_mapping and the run config check it
         self.coupled = cfg.coupled
         self.trees = cfg.tree_budget > 0
         self.max_nodes = 2 * self.k if self.trees else self.k

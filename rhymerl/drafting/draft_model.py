@@ -1,4 +1,4 @@
-"""Draft source: a small causal LM with the target's tokenizer, drafting ``draft_max`` tokens
+"""Draft source: a small causal LM with the target's tokenizer, drafting ``model_draft_tokens`` tokens
 per row in as many batched forwards against a KV cache of its own.
 
 **Coupled drafting.** The engine's sampler draws output token ``p`` of a sequence from one
@@ -90,7 +90,7 @@ class DraftModelSource(DraftSource):
             if ctx.target_path is not None:
                 check_same_tokenizer(cfg.draft_model, ctx.target_path)
         self.model = model
-        self.k = max(1, cfg.draft_max)
+        self.k = cfg.model_draft_tokens  # >= 1: SpecConfig.from_mapping and the run config check it
         self.coupled = cfg.coupled
         self.trees = cfg.tree_budget > 0
         self.max_nodes = 2 * self.k if self.trees else self.k

@@ -197,7 +197,7 @@ class RLRun:
             from rhymerl.training.eagle3_trainer import Eagle3Trainer
 
             self.draft_head = Eagle3Trainer(self.model, base, cfg.rollout.speculative.draft_head_lr, self.device,
-                                            seed=cfg.seed, steps=cfg.rollout.speculative.draft_max)
+                                            seed=cfg.seed, steps=cfg.rollout.speculative.model_draft_tokens)
         return PolicyTrainer(self.model, cfg.trainer, cfg.algorithm, self.device, ref, total_optimizer_steps=total,
                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                              draft_head=self.draft_head, check_rollout_logp=cfg.rollout.engine != "native")

@@ -10,35 +10,36 @@ from rhymerl.drafting.config import SpecConfig
 
 PROPOSER = "rhymerl.vllm.HistoSpecProposer"
 
-# SpecConfig fields the HistoSpec proposer reads inside vLLM (sent in additional_config).
-_PROPOSER_FIELDS = ("sources", "max_draft", "length_policy", "min_prob", "pattern_max", "pattern_min",
+# SpecConfig fields the HistoSpec proposer reads inside vLLM (sent in additional_config). The
+# draft length is not one: it goes out as vLLM's num_speculative_tokens, read back from there alone.
+_PROPOSER_FIELDS = ("sources", "length_policy", "min_prob", "pattern_max", "pattern_min",
                     "history_epochs", "reward_weight", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def _history(c: SpecConfig) -> dict[str, Any]:
-    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": c.max_draft}
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": c.index_draft_tokens}
 
 
 def _ngram(c: SpecConfig) -> dict[str, Any]:
-    return {"method": "ngram", "num_speculative_tokens": c.max_draft,
+    return {"method": "ngram", "num_speculative_tokens": c.index_draft_tokens,
             "prompt_lookup_min": c.prompt_lookup_min, "prompt_lookup_max": c.prompt_lookup_max}
 
 
 def _suffix(c: SpecConfig) -> dict[str, Any]:  # vLLM's own, backed by arctic-inference
-    return {"method": "suffix", "num_speculative_tokens": c.max_draft}
+    return {"method": "suffix", "num_speculative_tokens": c.index_draft_tokens}
 
 
 def _draft_model(c: SpecConfig) -> dict[str, Any]:
     if not c.draft_model:
         raise ValueError("speculative.method=draft_model needs speculative.draft_model=PATH")
-    return {"method": "draft_model", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
+    return {"method": "draft_model", "model": c.draft_model, "num_speculative_tokens": c.model_draft_tokens}
 
 
 def _eagle3(c: SpecConfig) -> dict[str, Any]:  # an Eagle3 head's folder (a run training one online writes it)
     if not c.draft_model:
         raise ValueError("speculative.method=eagle3 needs speculative.draft_model=PATH (an Eagle3 head's folder; "
                          "rhymerl.drafting.eagle3_head.write_head writes a fresh one)")
-    return {"method": "eagle3", "model": c.draft_model, "num_speculative_tokens": c.draft_max}
+    return {"method": "eagle3", "model": c.draft_model, "num_speculative_tokens": c.model_draft_tokens}
 
 
 VLLM_METHODS: dict[str, Callable[[SpecConfig], dict[str, Any]]] = {

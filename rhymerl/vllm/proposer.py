@@ -61,8 +61,9 @@ def prompt_hash_key(prompt_ids) -> str:
 
 
 def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
-    """The drafting config inside vLLM: history by default, index sources only, path drafts
-    of at most ``k`` tokens (vLLM verifies chains). The native engine's gate is off there:
+    """The drafting config inside vLLM: history by default, index sources only, path drafts of
+    at most ``k`` tokens (vLLM's ``num_speculative_tokens``, the one draft-length setting there;
+    vLLM verifies chains). The native engine's gate is off there:
     :class:`rhymerl.vllm.draft_gate.DraftGate` decides from vLLM's own steps instead."""
     fields = dict(extra or {})
     fields.setdefault("method", "history")
@@ -74,7 +75,10 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     if model:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer drafts from history and live samples; the sources "
                          f"{model} run a model: use vLLM's own draft_model / eagle3 methods for those")
-    return cfg.with_(max_draft=min(cfg.max_draft, k), gate=False, length_policy=resolve(cfg.length_policy, "vllm"))
+    if ("index_draft_tokens" in fields or "max_draft" in fields) and cfg.index_draft_tokens != k:
+        raise ValueError(f"rhymerl.vllm.HistoSpecProposer: the draft length is vLLM's num_speculative_tokens ({k}); "
+                         f"remove index_draft_tokens={cfg.index_draft_tokens} from additional_config")
+    return cfg.with_(index_draft_tokens=k, gate=False, length_policy=resolve(cfg.length_policy, "vllm"))
 
 
 def _find_runner() -> Any:
