@@ -150,7 +150,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rhymerl.training.policy_versions import RolloutTimeout
     from rhymerl.vllm.engine import LossySamplerError, VllmUnavailable, WeightSyncError
     from rhymerl.vllm.watchdog import EngineLost, EngineTimeout
-    from rhymerl.training.rl import RewardFunctionError
+    from rhymerl.training.rollout_phase import RewardFunctionError
     from rhymerl.training.trainer_group import TrainerRankError
 
     return (ConfigError, DatasetError, CheckpointError, RewardFunctionError, RewardLoadError, TrainerRankError,
@@ -158,7 +158,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             WeightSyncError, EngineTimeout, EngineLost)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rhymerl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--debug", action="store_true", help="print tracebacks of expected errors too")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -173,6 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--draft", action="store_true",
                    help="a small draft model instead (for rollout.speculative.draft_model)")
     s.set_defaults(fn=cmd_sft)
+    _add_bench(sub)
+    c = sub.add_parser("config", help="list every configuration key with its default and meaning")
+    c.add_argument("--list", action="store_true", help="(the default) one key a line")
+    c.add_argument("--markdown", action="store_true", help="the table of docs/config.md")
+    c.set_defaults(fn=cmd_config)
+    e = sub.add_parser("export", help="write a run's final policy as an HF folder")
+    e.add_argument("run_dir")
+    e.add_argument("--out")
+    e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    e.set_defaults(fn=cmd_export)
+    return p
+
+
+def _add_bench(sub: "argparse._SubParsersAction") -> None:
+    """`rhymerl bench WHICH` and its options."""
     b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run",
                        formatter_class=argparse.RawTextHelpFormatter)
     b.add_argument("which", choices=list(BENCHES),
@@ -202,16 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="train: where the trainer ranks run (local processes or Ray actors)")
     b.set_defaults(fn=cmd_bench)
-    c = sub.add_parser("config", help="list every configuration key with its default and meaning")
-    c.add_argument("--list", action="store_true", help="(the default) one key a line")
-    c.add_argument("--markdown", action="store_true", help="the table of docs/config.md")
-    c.set_defaults(fn=cmd_config)
-    e = sub.add_parser("export", help="write a run's final policy as an HF folder")
-    e.add_argument("run_dir")
-    e.add_argument("--out")
-    e.add_argument("--force", action="store_true", help="replace --out if it exists")
-    e.set_defaults(fn=cmd_export)
-    ns = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
     try:
         return ns.fn(ns)
     except Exception as e:  # noqa: BLE001 - sorted below: expected errors in one line, the rest re-raised

@@ -210,7 +210,7 @@ def saved_run(base_model, tmp_path_factory):
 
 def _restored(rl) -> tuple:
     """What a restore put into the run: its step, loader position and weights."""
-    return rl.step, json.dumps(rl.loader.state_dict(), sort_keys=True), \
+    return rl.step, json.dumps(rl.data.loader.state_dict(), sort_keys=True), \
         [p.detach().clone() for p in rl.model.parameters()]
 
 
@@ -272,4 +272,4 @@ def test_fuzzed_checkpoint_folders_restore_the_same_state_or_raise_checkpoint_er
     if not changed:
         assert (step, loader) == intact[:2] and all(torch.equal(a, b) for a, b in zip(weights, intact[2]))
     else:
-        rl.loader.next_batch()  # the loader position it restored is one the run can continue from
+        rl.data.loader.next_batch()  # the loader position it restored is one the run can continue from

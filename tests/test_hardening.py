@@ -106,7 +106,8 @@ def test_a_hanging_reward_scores_zero_and_the_run_goes_on(base_model, tmp_path):
     ("nan", "return float('nan')", r"'compute_score'.*nan\.py.*non-finite"),  # NaN turned advantages into NaN
 ])
 def test_a_reward_failing_on_every_row_stops_the_run_naming_it(base_model, tmp_path, name, body, says):
-    from rhymerl.training.rl import RewardFunctionError, train
+    from rhymerl.training.rl import train
+    from rhymerl.training.rollout_phase import RewardFunctionError
 
     f = tmp_path / f"{name}.py"
     f.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")

@@ -184,6 +184,7 @@ class SpecController(Proposer):
         Occurrence sources (indices, or matches a source found itself) go through the
         longest-match rule and drafting in one compiled call for the batch, which returns the
         batch's padded arrays; a model source's tree is an option of its own beside them."""
+        # Kept flat on purpose (over 60 lines): the drafter's per-step hot path, read as one pass over the sources.
         cfg = self.cfg
         B = len(seqs)
         every = range(B)

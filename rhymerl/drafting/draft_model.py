@@ -146,22 +146,7 @@ class DraftModelSource(DraftSource):
         k = min(self.k, max(caps[i] for i in rows))
         self._ensure(B, 0)  # slots for every row before rows move into them
         state = self._arrange(seqs)
-        # What verification kept of last step's drafts keeps its K/V.
-        for r, ids, seq in zip(state, all_ids, seqs):
-            if r.fed:
-                n = 0
-                tail = ids[r.cached:]
-                while n < len(r.fed) and n < len(tail) and tail[n] == r.fed[n]:
-                    n += 1
-                r.cached += n
-                r.fed = []
-            r.cached = min(r.cached, len(ids) - 1)  # the last token is always fed: its logits draft
-            if len(ids) - max(r.cached, len(seq.prompt_ids)) > self.CATCH_UP:
-                # More than CATCH_UP tokens generated since this model last saw the row (the gate
-                # held drafting off): restart the row's context on its last tokens, at positions
-                # from 0, rather than feed all it missed (at batch 128 that catch-up cost more
-                # than the target's step). Drafts only: verification keeps the tokens exact.
-                r.start = r.cached = len(ids) - self.CATCH_UP
+        self._reconcile(state, all_ids, seqs)
         new = [ids[r.cached:] for r, ids in zip(state, all_ids)]
         T = max(len(x) for x in new)
         longest = max(len(x) - r.start for r, x in zip(state, all_ids))
@@ -200,6 +185,25 @@ class DraftModelSource(DraftSource):
         for b, r in enumerate(state):
             r.cached, r.fed = end_c[b] + r.start, fed[b]
         return candidates(self.name, rows, caps, k, draws, self.trees, batch_rows=rows)
+
+    def _reconcile(self, state: list, all_ids: list[list[int]], seqs: list[Sequence]) -> None:
+        """What verification kept of last step's drafts keeps its K/V; each row's next feed starts
+        after it (the last token is always fed: its logits draft)."""
+        for r, ids, seq in zip(state, all_ids, seqs):
+            if r.fed:
+                n = 0
+                tail = ids[r.cached:]
+                while n < len(r.fed) and n < len(tail) and tail[n] == r.fed[n]:
+                    n += 1
+                r.cached += n
+                r.fed = []
+            r.cached = min(r.cached, len(ids) - 1)
+            if len(ids) - max(r.cached, len(seq.prompt_ids)) > self.CATCH_UP:
+                # More than CATCH_UP tokens generated since this model last saw the row (the gate
+                # held drafting off): restart the row's context on its last tokens, at positions
+                # from 0, rather than feed all it missed (at batch 128 that catch-up cost more
+                # than the target's step). Drafts only: verification keeps the tokens exact.
+                r.start = r.cached = len(ids) - self.CATCH_UP
 
     def on_finish(self, seq: Sequence) -> None:
         self.rows.pop((seq.request_id, seq.sample_index), None)

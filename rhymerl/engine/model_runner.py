@@ -94,6 +94,7 @@ class ModelRunner:
         K/V is copied from there and its first tokens drawn from the prompt's kept
         last-position logits, with no forward (siblings admitted steps after the first).
         """
+        # Kept flat on purpose (over 60 lines): the engine's hot path, one forward read top to bottom.
         cached = cached or {}
         fresh = [gi for gi in range(len(groups)) if gi not in cached]
         base = groups[0][0].slot
@@ -155,6 +156,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], drafts: Drafts = None) -> DecodeResult:
         """One forward over all running sequences (slots ``0..B-1``) with optional draft trees."""
+        # Kept flat on purpose (over 60 lines): the engine's hot path, one forward read top to bottom.
         B = len(seqs)
         dev = self.device
         batch = as_batch(drafts)

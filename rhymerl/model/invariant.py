@@ -128,6 +128,7 @@ def chunked_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, posit
     holds it (tree verification: a node's ancestors sit where the tree put them); None means
     logical = physical (prefill, decode, path verification). Returns ``[B, H, T, D]``.
     """
+    # Kept flat on purpose (over 60 lines): the batch-invariant kernel, whose reduction order is its contract.
     B, H, T, D = q.shape
     KV = kc.shape[1]
     G = H // KV

@@ -24,10 +24,18 @@ Policies (all keep the step's barrier: nothing here is off-policy):
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from rhymerl.scheduling.cost import StepCost
-from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_at_budget, cut_contiguous, smallest_budget
+from rhymerl.scheduling.length_risk import (
+    GroupTime,
+    LengthDists,
+    cut_at_budget,
+    cut_contiguous,
+    smallest_budget,
+)
 from rhymerl.scheduling.plan import Plan, WorkUnit
 from rhymerl.scheduling.simulator import simulate
 
@@ -160,25 +168,44 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     lens = [list(map(float, x)) for x in lengths]
     if policy == "prompt_oracle":  # which sibling is which is what no prediction per prompt can know
         lens = [sorted(x, reverse=True) for x in lens]
-        policy_error = 0.0
-    else:
-        policy_error = error_sigma if policy == "histopipe" else 0.0
-    P = len(lens)
-    if policy == "even":
-        work: list[list[tuple[int, int]]] = [[] for _ in range(R)]
-        for p in range(P):
-            work[p * R // max(1, P)].extend((p, s) for s in range(len(lens[p])))
-        return Plan(policy, [_merge(w) for w in work])
-    if policy == "least_loaded":
-        return Plan(policy, [_merge(w) for w in _least_loaded(lens, R)])
+    if policy in ("even", "least_loaded"):  # the shape alone
+        return Plan(policy, [_merge(w) for w in (_even if policy == "even" else _least_loaded)(lens, R)])
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r} is not one of {PLACEMENTS}")
     # What "past its prediction" means at run time (tail migration): the prompt's typical
     # length. Its largest previous length started moves later than the drained tail pays for.
     predicted = np.array([float(np.mean(x)) if x else 0.0 for x in lens])
     tail_moves = migrate and policy in ("histopipe", "prompt_oracle")
-    dists = LengthDists.from_samples(lens, policy_error, max_tokens)
-    candidates = {
+    dists = LengthDists.from_samples(lens, error_sigma if policy == "histopipe" else 0.0, max_tokens)
+    candidates = _placements(lens, dists, R, cost, max_num_seqs, prompt_len)
+    if placement == "auto" and R == 1:
+        placement = "contiguous"  # one worker: every placement is the same, no need to simulate them
+    if placement != "auto":
+        groups = candidates[placement]()
+    else:
+        def simulated_s(gs: list[list[tuple[int, int]]], judged: list) -> float:
+            plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
+            return float(np.mean([simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
+                                  for j in judged]))
+        groups = _auto_choice(policy, lens, dists, candidates, step, simulated_s)
+    if complementary and step % 2 == 0:
+        groups = groups[::-1]
+    return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted)
+
+
+def _even(lens: list[list[float]], R: int) -> list[list[tuple[int, int]]]:
+    """Prompts cut into R contiguous runs of equal count, whatever their lengths."""
+    P = len(lens)
+    work: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    for p in range(P):
+        work[p * R // max(1, P)].extend((p, s) for s in range(len(lens[p])))
+    return work
+
+
+def _placements(lens: list[list[float]], dists: LengthDists, R: int, cost: StepCost, max_num_seqs: int,
+                prompt_len: float) -> dict[str, Callable[[], list[list[tuple[int, int]]]]]:
+    """Every placement by name, each built on demand."""
+    return {
         # Placements that know nothing of lengths, or little: named, and among what a coordinator
         # scores on real outcomes (placement_scores.py); judged on draws from the predictions
         # (auto here) they would always look worst, so they are not auto's candidates.
@@ -189,36 +216,26 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
         "spread": lambda: _spread(dists, [len(x) for x in lens], R, cost, max_num_seqs, prompt_len),
         "stripe": lambda: _stripe(dists, [len(x) for x in lens], R),
     }
-    if placement == "auto" and R == 1:
-        placement = "contiguous"  # one worker: every placement is the same, no need to simulate them
-    if placement != "auto":
-        groups = candidates[placement]()
+
+
+def _auto_choice(policy: str, lens: list[list[float]], dists: LengthDists, candidates: dict, step: int,
+                 simulated_s: Callable[[list, list], float]) -> list[list[tuple[int, int]]]:
+    """``auto``: the candidate the simulator finishes first. Candidates are compared by
+    simulating them (the closed-form estimate reads the cost curve as a line), on lengths drawn
+    with the prediction's measured error rather than on the point predictions (judged on those,
+    the placement that trusts them most always looks best). The oracle knows the lengths and is
+    judged on them. ``simulated_s``: a plan's mean makespan over the draws, the expected one
+    (the worse of two draws ranks plans by how much they vary instead); still optimistic for
+    `spread`, which is built on the distribution it is judged on (docs/design.md, HistoPipe)."""
+    rng = np.random.default_rng(step)
+    if policy == "oracle":
+        judged = [lens]
+    elif policy == "prompt_oracle":  # the true lengths, dealt to the siblings at random
+        judged = [[rng.permutation(x).tolist() for x in lens] for _ in range(2)]
     else:
-        # Candidates are compared by simulating them (the closed-form estimate reads the cost
-        # curve as a line), on lengths drawn with the prediction's measured error rather than on
-        # the point predictions (judged on those, the placement that trusts them most always
-        # looks best). The oracle knows the lengths and is judged on them.
-        rng = np.random.default_rng(step)
-        if policy == "oracle":
-            judged = [lens]
-        elif policy == "prompt_oracle":  # the true lengths, dealt to the siblings at random
-            judged = [[rng.permutation(x).tolist() for x in lens] for _ in range(2)]
-        else:
-            judged = [dists.draw([len(x) for x in lens], rng) for _ in range(2)]
-        names = ("lpt", "contiguous") if policy == "oracle" else ("lpt", "contiguous", "spread", "stripe")
-
-        def simulated_s(gs: list[list[tuple[int, int]]]) -> float:
-            # The mean over the draws, the expected makespan (the worse of two draws ranks plans
-            # by how much they vary instead). Still optimistic for `spread`, which is built on
-            # the distribution it is judged on (docs/design.md, HistoPipe).
-            plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
-            return float(np.mean([simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
-                                  for j in judged]))
-
-        groups = min((candidates[name]() for name in names), key=simulated_s)
-    if complementary and step % 2 == 0:
-        groups = groups[::-1]
-    return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted)
+        judged = [dists.draw([len(x) for x in lens], rng) for _ in range(2)]
+    names = ("lpt", "contiguous") if policy == "oracle" else ("lpt", "contiguous", "spread", "stripe")
+    return min((candidates[name]() for name in names), key=lambda gs: simulated_s(gs, judged))
 
 
 def _least_loaded(lens: list[list[float]], R: int) -> list[list[tuple[int, int]]]:

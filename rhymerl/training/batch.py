@@ -1,9 +1,12 @@
-"""A step's batch: its groups generated and scored (:class:`ScoredRollout`), and what DAPO's
-filter keeps of it (:class:`KeptBatch`). Plain data, JSON-ready where a checkpoint holds it."""
+"""A step's batch: its groups generated and scored (:class:`ScoredRollout`), what DAPO's
+filter keeps of it (:class:`KeptBatch`), and what the update made of it (:class:`UpdateResult`).
+Plain data, JSON-ready where a checkpoint holds it."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 from rhymerl.data import PromptRow
 from rhymerl.engine import RequestOutput
@@ -98,3 +101,15 @@ class KeptBatch:
                 scores.append(s)
                 groups.append(gi)
         return prompts, responses, behaviour, scores, groups
+
+
+@dataclass
+class UpdateResult:
+    """What a step's update phases produced: the trained responses' rewards and advantages,
+    their seconds (old log-probs, the optimizer's work) and the update's own metrics."""
+
+    rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    old_s: float = 0.0
+    update_s: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)

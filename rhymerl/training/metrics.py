@@ -1,4 +1,5 @@
-"""Per-step metrics: ``metrics.jsonl``, TensorBoard event files, and PNG plots."""
+"""Per-step metrics: ``metrics.jsonl``, TensorBoard event files, PNG plots, and the length
+trace ``traces.jsonl``."""
 from __future__ import annotations
 
 import json
@@ -38,6 +39,26 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def append_trace(path: Path, step: int, batch: Any, kept: Any) -> None:
+    """Per-sample lengths of a step's groups (a ``ScoredRollout`` and what the filter kept of
+    it, ``KeptBatch``): what `bench pipe` replays."""
+    trained = {id(o) for o in kept.outs}
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "keys": [row.key for row in batch.rows], "predicted": batch.predicted,
+                            "prompt_lens": [len(o.prompt_token_ids) for o in batch.outs],
+                            "lengths": [[len(c.token_ids) for c in o.outputs] for o in batch.outs],
+                            "forwards": [[c.num_forwards for c in o.outputs] for o in batch.outs],
+                            # which groups the update trained on (DAPO's filter drops the rest)
+                            "trained": [id(o) in trained for o in batch.outs],
+                            "gen_s": kept.gen_s}) + "\n")
+
+
+def truncate_trace(path: Path, last: int) -> None:
+    """On resume: drop the trace of steps after ``last`` (they will be redone)."""
+    if path.exists():
+        rewrite_jsonl(path, [t for t in read_jsonl(path) if t.get("step", 0) <= last])
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,12 +99,8 @@ def sft_examples(task: Task, sft: SFTSection, rng: random.Random, mix: random.Ra
     return out
 
 
-def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool = True) -> dict:
-    """Train the base model and write it to ``out_dir``; returns the card."""
-    t_start = time.time()
-    out = Path(out_dir) if out_dir is not None else sft_output_dir(cfg)
-    task = get_task(cfg.data.task)
-    tok = build_char_tokenizer(task.alphabet)
+def _new_model(cfg: RunConfig, tok: Any) -> CausalLM:
+    """The base's architecture from ``model.*``, its weights drawn from the seed."""
     m = cfg.model
     mcfg = ModelConfig(model_type=m.model_type, vocab_size=len(tok), hidden_size=m.hidden_size,
                        intermediate_size=m.intermediate_size, num_hidden_layers=m.num_hidden_layers,
@@ -115,16 +112,44 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     torch.manual_seed(cfg.seed)
     model = CausalLM(mcfg)
     model.init_weights(cfg.seed)
+    return model
+
+
+def _encoded(pairs: list[tuple[str, str]], tok: Any) -> list[tuple[list[int], int]]:
+    """Each (prompt, response) as (prompt + response + EOS, prompt length)."""
+    examples = []
+    for prompt, response in pairs:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        examples.append((ids + tok.encode(response, add_special_tokens=False) + [tok.eos_token_id], len(ids)))
+    return examples
+
+
+def _batch(batch: list[tuple[list[int], int]], bs: int, pad_id: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ids and targets: the response's tokens, the prompt's masked (-100)."""
+    T = max(len(x) for x, _ in batch)
+    ids = torch.full((bs, T), pad_id, dtype=torch.long)
+    tgt = torch.full((bs, T), -100, dtype=torch.long)
+    for i, (x, plen) in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        tgt[i, plen - 1: len(x) - 1] = torch.tensor(x[plen:])  # predict the response only
+    return ids.to(device), tgt.to(device)
+
+
+def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool = True) -> dict:
+    """Train the base model and write it to ``out_dir``; returns the card."""
+    t_start = time.time()
+    out = Path(out_dir) if out_dir is not None else sft_output_dir(cfg)
+    task = get_task(cfg.data.task)
+    tok = build_char_tokenizer(task.alphabet)
+    model = _new_model(cfg, tok)
     device = resolve_device(cfg.model.device)
     model.to(device).train()
 
     _, val = task_splits(cfg.data, cfg.seed)
     rng = random.Random(cfg.seed)  # the problems, then the batch order
     pairs = sft_examples(task, cfg.sft, rng, random.Random(cfg.seed + 1), exclude={str(r.prompt) for r in val})
-    examples: list[tuple[list[int], int]] = []  # (prompt + response + EOS, prompt length)
-    for prompt, response in pairs:
-        ids = tok.encode(prompt, add_special_tokens=False)
-        examples.append((ids + tok.encode(response, add_special_tokens=False) + [tok.eos_token_id], len(ids)))
+    examples = _encoded(pairs, tok)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay,
                             betas=(0.9, 0.98))
@@ -138,14 +163,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
             break
         if not order:
             order = _length_bucketed_batches(examples, bs, rng)
-        batch = [examples[i] for i in order.pop()]
-        T = max(len(x) for x, _ in batch)
-        ids = torch.full((bs, T), tok.pad_token_id, dtype=torch.long)
-        tgt = torch.full((bs, T), -100, dtype=torch.long)
-        for i, (x, plen) in enumerate(batch):
-            ids[i, : len(x)] = torch.tensor(x)
-            tgt[i, plen - 1: len(x) - 1] = torch.tensor(x[plen:])  # predict the response only
-        ids, tgt = ids.to(device), tgt.to(device)
+        ids, tgt = _batch([examples[i] for i in order.pop()], bs, tok.pad_token_id, device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, cfg.sft.warmup_steps, cfg.sft.lr)
         loss = F.cross_entropy(model(ids).flatten(0, 1).float(), tgt.flatten(), ignore_index=-100)
@@ -166,19 +184,12 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     save_pretrained(model, out)
     tok.save_pretrained(str(out))
     card = {
-        "made_by": "rhymerl sft",
-        "task": cfg.data.task,
-        "seed": cfg.seed,
+        "made_by": "rhymerl sft", "task": cfg.data.task, "seed": cfg.seed,
         "params": sum(p.numel() for p in model.parameters()),
         "config": {"sft": vars(cfg.sft), "model": vars(cfg.model)},
-        "steps": done_steps,
-        "stopped_early_for_time": stopped_early,
-        "final_loss": loss_ema,
-        "train_seconds": round(train_s, 1),
-        "heldout_greedy_accuracy": ev.accuracy,
-        "heldout_prompts": len(ev.lengths),
-        "response_length": ev.length_stats(),
-        "format_ok": ev.format_ok,
+        "steps": done_steps, "stopped_early_for_time": stopped_early, "final_loss": loss_ema,
+        "train_seconds": round(train_s, 1), "heldout_greedy_accuracy": ev.accuracy,
+        "heldout_prompts": len(ev.lengths), "response_length": ev.length_stats(), "format_ok": ev.format_ok,
     }
     atomic_write_text(out / CARD, json.dumps(card, indent=2) + "\n")  # last: the card marks a finished base
     return card

@@ -21,6 +21,7 @@ What makes that exact rather than approximate:
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,10 @@ from typing import Any
 import torch
 
 from rhymerl.algos import ADV_ESTIMATORS, shaped_rewards
+from rhymerl.training.batch import ScoredRollout, UpdateResult
 from rhymerl.training.trainer import Experience, PolicyTrainer
+
+log = logging.getLogger(__name__)
 
 
 
@@ -307,3 +311,40 @@ def processing_order(predicted: list[float | None], num_slots: int, seed: int, s
 
 __all__ = ["StreamedUpdate", "GroupRows", "prompt_minibatches", "processing_order",
            "stream_update", "fill_batch"]
+
+
+def streamed_update_for(trainer: PolicyTrainer, cfg: Any, pad_id: int, step: int, predicted: list[float | None],
+                        threads: int) -> StreamedUpdate:
+    """The prompt split's update work for step ``step``'s groups (streamed into the rollout with
+    ``trainer.stream_update``, on ``threads`` cores, or run after it)."""
+    P = len(predicted)
+    first = prompt_minibatches(P, cfg.trainer.ppo_mini_batches, cfg.seed, step, 0)[0]
+    return StreamedUpdate(trainer, cfg, pad_id, processing_order(predicted, P, cfg.seed, step), set(first),
+                          background=cfg.trainer.stream_update, threads=threads if cfg.trainer.stream_update else 0)
+
+
+def finish_prompt_split(trainer: PolicyTrainer, batch: ScoredRollout, kept_outs: list, step: int,
+                        cfg: Any) -> UpdateResult:
+    """The update of a prompt-split step: the work already done on each group as it landed
+    (streamed) is finished, then the optimizer steps on the groups the filter kept."""
+    streamed = batch.streamed
+    res = UpdateResult()
+    t = time.perf_counter()
+    streamed.finish()
+    res.old_s = time.perf_counter() - t
+    slot_of = {id(o): i for i, o in enumerate(batch.outs)}
+    slots = [slot_of[id(o)] for o in kept_outs]
+    t = time.perf_counter()
+    res.metrics.update(stream_update(trainer, streamed, slots, step, cfg.seed, cfg.trainer.ppo_mini_batches,
+                                     cfg.trainer.ppo_epochs))
+    res.update_s = time.perf_counter() - t
+    groups = [streamed.groups[s] for s in slots]
+    if groups:
+        res.rewards = torch.cat([g.reward for g in groups])
+        res.advantages = torch.cat([g.exp.advantages for g in groups])
+        if cfg.algorithm.use_kl_in_reward:
+            res.metrics["critic/kl_in_reward"] = sum(g.kl_in_reward for g in groups) / len(res.rewards)
+    else:
+        log.warning("step %d: every group had equal rewards; no update", step)
+    res.metrics["timing_s/streamed"] = streamed.busy_s  # work on groups, hidden in the rollout or not
+    return res

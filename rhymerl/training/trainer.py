@@ -298,7 +298,6 @@ class PolicyTrainer:
 
         ``norm_tokens``: the token-mean's denominator, when ``mb_idx`` is only part of the
         mini-batch (a streamed update passes 1 and divides the gradient at the end)."""
-        algo, loss_fn = self.algo, POLICY_LOSSES[self.algo.policy_loss]
         # The global mini-batch's normalisers on every rank, and the reduction's average over
         # ranks undone: the ranks' gradients add up to one process's.
         if norm_tokens is None:
@@ -316,7 +315,6 @@ class PolicyTrainer:
                 ids = exp.input_ids[micro, :width].to(self.device)
                 mask = exp.response_mask[micro][:, : width - 1].to(self.device)
                 ntok = float(mask.sum())
-                adv = exp.advantages[micro].to(self.device).unsqueeze(1)
                 with self.draft_head.watching() if self.draft_head is not None else contextlib.nullcontext():
                     logp, ent = self._token_logp(self.model, ids, with_entropy=True)
                 if self.draft_head is not None:
@@ -324,25 +322,7 @@ class PolicyTrainer:
                     if d_tok:
                         acc("draft/loss", d_loss / d_tok, d_tok)
                         acc("draft/top1", d_correct / d_tok, d_tok)
-                old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
-                if exp.behav_logp is not None:
-                    # Drawn by an older policy: the correction says what the loss clips around
-                    # and how each token is weighted (the PPO loss is linear in the weight).
-                    behav = exp.behav_logp[micro][:, : width - 1].to(self.device)
-                    corr = OFFPOLICY_CORRECTIONS[algo.offpolicy_correction](old, behav, cap=algo.is_cap)
-                    old, adv = corr.anchor, adv * corr.weights
-                pg_loss, m = loss_fn(logp, old, adv, mask, clip_low=algo.clip_ratio_low,
-                                     clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
-                                     agg=algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
-                ent_loss = aggregate(ent, mask, algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
-                loss = pg_loss - algo.entropy_coef * ent_loss
-                if self.ref is not None and algo.kl_coef > 0 and not algo.use_kl_in_reward:
-                    assert exp.ref_logp is not None
-                    ref = exp.ref_logp[micro][:, : width - 1].to(self.device)
-                    kl = aggregate(kl_penalty(logp, ref, algo.kl_type), mask, algo.loss_agg_mode,
-                                   norm_tokens=norm_tokens, norm_seqs=norm_seqs)
-                    loss = loss + algo.kl_coef * kl
-                    acc("actor/kl_loss", float(kl.detach()) * norm_tokens / max(1.0, ntok), ntok)
+                loss, pg_loss, m = self._micro_loss(exp, micro, width, logp, ent, mask, norm_tokens, norm_seqs, acc)
                 if not torch.isfinite(loss):
                     finite = False
                     if self.world_size == 1:
@@ -363,6 +343,36 @@ class PolicyTrainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             finite = bool(flag.item() == 1.0)
         return finite
+
+    def _micro_loss(self, exp: Experience, micro: Any, width: int, logp: torch.Tensor, ent: torch.Tensor,
+                    mask: torch.Tensor, norm_tokens: float, norm_seqs: float,
+                    acc: Callable[[str, float, float], None]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """One micro-batch's loss (policy gradient, entropy bonus, KL penalty) over its
+        mini-batch's normalisers; returns (loss, pg_loss, the policy loss's metrics)."""
+        algo = self.algo
+        adv = exp.advantages[micro].to(self.device).unsqueeze(1)
+        old = logp.detach() if exp.old_logp is None else exp.old_logp[micro][:, : width - 1].to(self.device)
+        if exp.behav_logp is not None:
+            # Drawn by an older policy: the correction says what the loss clips around
+            # and how each token is weighted (the PPO loss is linear in the weight).
+            behav = exp.behav_logp[micro][:, : width - 1].to(self.device)
+            corr = OFFPOLICY_CORRECTIONS[algo.offpolicy_correction](old, behav, cap=algo.is_cap)
+            old, adv = corr.anchor, adv * corr.weights
+        pg_loss, m = POLICY_LOSSES[algo.policy_loss](logp, old, adv, mask, clip_low=algo.clip_ratio_low,
+                                                     clip_high=algo.clip_ratio_high, clip_c=algo.clip_ratio_c,
+                                                     agg=algo.loss_agg_mode, norm_tokens=norm_tokens,
+                                                     norm_seqs=norm_seqs)
+        ent_loss = aggregate(ent, mask, algo.loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+        loss = pg_loss - algo.entropy_coef * ent_loss
+        if self.ref is not None and algo.kl_coef > 0 and not algo.use_kl_in_reward:
+            assert exp.ref_logp is not None
+            ref = exp.ref_logp[micro][:, : width - 1].to(self.device)
+            kl = aggregate(kl_penalty(logp, ref, algo.kl_type), mask, algo.loss_agg_mode,
+                           norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+            loss = loss + algo.kl_coef * kl
+            ntok = float(mask.sum())
+            acc("actor/kl_loss", float(kl.detach()) * norm_tokens / max(1.0, ntok), ntok)
+        return loss, pg_loss, m
 
     # --- state in checkpoints -------------------------------------------------------------------
     def publish(self) -> SyncStats:
