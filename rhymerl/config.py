@@ -11,11 +11,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import yaml
 
 from rhymerl.drafting.config import SpecConfig, renamed_keys
+from rhymerl.rollout_engines import ENGINES, get_engine, unsupported
 from rhymerl.scheduling.length_predictor import STATS
 from rhymerl.scheduling.planner import PLACEMENTS, SCHEDULES
 
@@ -307,8 +308,6 @@ def _choices() -> dict[str, tuple[str, ...]]:
     owns them (each lives on a floor below this module: see docs/design.md, "Floors")."""
     from rhymerl.algos import ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, OFFPOLICY_CORRECTIONS, POLICY_LOSSES
     from rhymerl.model.data_parallel import STRATEGIES
-    from rhymerl.rollout_engines import ENGINES
-
     return {
         "model.dtype": ("float32", "bfloat16", "float16"),
         "trainer.strategy": tuple(STRATEGIES),
@@ -362,18 +361,31 @@ def _validate_split(cfg: RunConfig) -> None:
         raise ConfigError(f"{what}: not with " + "; ".join(bad))
 
 
+def _speculative_methods(engine: str) -> Collection[str]:
+    """The speculative methods ``engine`` runs (each engine's registry, below this floor)."""
+    from rhymerl.drafting import METHODS
+    from rhymerl.vllm.methods import VLLM_METHODS
+
+    by_engine = {"native": METHODS, "vllm": VLLM_METHODS}
+    return by_engine[get_engine(engine).name]
+
+
 def _validate_speculative(cfg: RunConfig) -> None:
-    from rhymerl.drafting import METHODS, SOURCES
+    from rhymerl.drafting import SOURCES, trains_draft_head, trains_eagle3
     from rhymerl.drafting.length_policy import POLICIES
 
-    sp = cfg.rollout.speculative
-    if cfg.rollout.engine == "vllm":
-        _validate_vllm(cfg)
-    elif sp.method != "none" and sp.method not in METHODS:
-        from rhymerl.vllm.methods import VLLM_METHODS
-
-        where = " (it runs on rollout.engine=vllm)" if sp.method in VLLM_METHODS else ""
-        raise ConfigError(f"rollout.speculative.method: {sp.method!r} is not one of {['none'] + sorted(METHODS)}{where}")
+    r, sp = cfg.rollout, cfg.rollout.speculative
+    methods = _speculative_methods(r.engine)
+    if sp.method != "none" and sp.method not in methods:
+        elsewhere = [e for e in ENGINES if e != r.engine and sp.method in _speculative_methods(e)]
+        where = f" (it runs on rollout.engine={elsewhere[0]})" if elsewhere else ""
+        raise ConfigError(f"rollout.speculative.method: {sp.method!r} does not run on rollout.engine={r.engine} "
+                          f"(valid there: {['none'] + sorted(methods)}){where}")
+    # What the engine cannot do is refused up front, naming the key (never a silent fallback).
+    problems = unsupported(get_engine(r.engine), tree_budget=sp.tree_budget, invariant=r.invariant,
+                           online_head=trains_draft_head(sp))
+    if problems:
+        raise ConfigError("; ".join(problems))
     if sp.length_policy != "auto" and sp.length_policy not in POLICIES:
         raise ConfigError(f"rollout.speculative.length_policy: {sp.length_policy!r} is not one of "
                           f"{['auto'] + sorted(POLICIES)}")
@@ -385,32 +397,12 @@ def _validate_speculative(cfg: RunConfig) -> None:
                           "(an HF model folder sharing the policy's tokenizer)")
     if sp.method == "draft_model" and not sp.draft_model:
         raise ConfigError("rollout.speculative.method=draft_model needs rollout.speculative.draft_model=PATH")
-    from rhymerl.drafting import trains_draft_head, trains_eagle3
-
     if trains_draft_head(sp) and cfg.trainer.world_size > 1:
         raise ConfigError("rollout.speculative: a draft head trained online needs trainer.world_size=1 "
                           "(or load a trained one with rollout.speculative.draft_head=PATH)")
     if trains_eagle3(sp) and cfg.trainer.world_size > 1:
         raise ConfigError("rollout.speculative.method=eagle3: a head trained online needs trainer.world_size=1 "
                           "(or load a trained one with rollout.speculative.draft_model=PATH)")
-
-
-def _validate_vllm(cfg: RunConfig) -> None:
-    """What a vLLM engine cannot do is refused up front, naming the key (never a silent fallback)."""
-    from rhymerl.drafting import trains_draft_head
-    from rhymerl.vllm.methods import VLLM_METHODS
-
-    r, sp = cfg.rollout, cfg.rollout.speculative
-    if sp.method != "none" and sp.method not in VLLM_METHODS:
-        raise ConfigError(f"rollout.speculative.method: {sp.method!r} does not run on rollout.engine=vllm "
-                          f"(valid there: {['none'] + sorted(VLLM_METHODS)})")
-    if sp.tree_budget > 0:
-        raise ConfigError(f"rollout.speculative.tree_budget={sp.tree_budget}: vLLM verifies draft chains, not trees")
-    if r.invariant:
-        raise ConfigError("rollout.invariant=true: shape-invariant numerics are the native engine's; "
-                          "not with rollout.engine=vllm")
-    if trains_draft_head(sp):
-        raise ConfigError("rollout.speculative: an online draft head runs in the native engine only")
 
 
 def _validate(cfg: RunConfig) -> None:

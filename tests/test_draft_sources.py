@@ -201,7 +201,7 @@ def test_an_eagle3_head_trains_each_draft_step_as_vllm_drafts_it():
     """The head's batched forward over every position gives, at step s and position t, the logits
     vLLM's drafter computes at its s-th draft when the chain starts at t - s + 1 (from its own
     residual stream and its draft cache); training on the steps teaches the later ones too."""
-    from rhymerl.drafting.eagle3_head import new_head
+    from rhymerl.vllm.eagle3_head import new_head
     from rhymerl.training.eagle3_trainer import Eagle3Trainer
 
     policy = tiny_model(num_hidden_layers=4)

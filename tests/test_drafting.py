@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from rhymerl import LLM, SamplingParams
 from rhymerl.drafting import HistoryStore, SuffixIndex, build_proposer
-from rhymerl.drafting.gate import AcceptanceEstimate, best_width, expected_accepted, uniform_width
+from rhymerl.drafting.draft_width import best_width, expected_accepted, uniform_width
+from rhymerl.drafting.gate_estimates import AcceptanceEstimate
 from rhymerl.drafting.length_policy import additive, multiplicative
 from rhymerl.drafting import suffix_index, suffix_reference
 from rhymerl.engine.cost_model import CostModel
@@ -224,7 +225,7 @@ def test_cost_tables_are_measured_once_per_process_and_key():
 
 
 def test_step_overhead_compares_like_batches():
-    from rhymerl.drafting.gate import StepOverhead
+    from rhymerl.drafting.gate_estimates import StepOverhead
 
     cost = CostModel({(b, t): 0.001 * b * t for b in (1, 4, 64) for t in (1, 2, 3, 5)})
     ov = StepOverhead(decay=0.0)
@@ -236,7 +237,7 @@ def test_step_overhead_compares_like_batches():
 
 
 def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
-    from rhymerl.drafting.gate import HoldRule, RealizedCost
+    from rhymerl.drafting.gate_estimates import HoldRule, RealizedCost
 
     cost = CostModel({(b, t): 0.001 * b for b in (1, 16, 128) for t in (1, 2, 5)})
     r = RealizedCost(decay=0.0, max_age=3, margin=1.1, rule=HoldRule(evidence=1, backoff=2, max_backoff=4))
@@ -601,7 +602,7 @@ def test_bucket_acceptance_is_optimistic_where_unmeasured_and_settles_on_evidenc
     """A batch size never verified at plans above the global estimate (so it is tried once);
     its own evidence then decides, whatever the other batch sizes accepted; a rollout step
     forgets half of it."""
-    from rhymerl.drafting.gate import BucketAcceptance
+    from rhymerl.drafting.gate_estimates import BucketAcceptance
 
     b = BucketAcceptance()
     b.add(3, 60, 40)  # the drained tail: 0.6

@@ -465,3 +465,32 @@ def test_every_dotted_reference_and_section_reference_in_code_and_docs_resolves(
             if not any(h.startswith(section) for h in headings[doc]):
                 stale.append(f"{f.name}: {doc} *{section}*")
     assert not stale, stale
+
+
+def test_each_engine_is_described_once_and_every_entry_point_asks_its_description():
+    """One descriptor per engine: a worker class for each, the config's limits read from it, and
+    the same check refusing the same request in the run config, the vLLM method mapping and a
+    plain vLLM program's proposer."""
+    from rhymerl.config import _speculative_methods
+    from rhymerl.distribution.workers import WORKERS
+    from rhymerl.drafting import SpecConfig
+    from rhymerl.rollout_engines import ENGINES, EngineSpec, get_engine, unsupported
+    from rhymerl.vllm.methods import vllm_speculative
+    from rhymerl.vllm.proposer import proposer_config
+
+    assert set(WORKERS) == set(ENGINES) and all(_speculative_methods(e) for e in ENGINES)
+    assert unsupported(get_engine("native"), tree_budget=8, invariant=True, online_head=True) == []
+    said = unsupported(get_engine("vllm"), tree_budget=8, invariant=True, online_head=True)
+    assert [s.split(":")[0] for s in said] == ["rollout.speculative.tree_budget=8", "rollout.invariant=true",
+                                               "rollout.speculative"]
+    for entry in (lambda: load_config(None, ["rollout.engine=vllm", "rollout.speculative.tree_budget=8"]),
+                  lambda: vllm_speculative(SpecConfig(tree_budget=8)),
+                  lambda: proposer_config(6, {"tree_budget": 8})):
+        with pytest.raises((ConfigError, ValueError), match="tree_budget=8: rollout.engine=vllm verifies draft"):
+            entry()
+    # A capability changed in the one place changes what every entry point allows.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ENGINES, "vllm", EngineSpec("vllm", trees=True, invariant_numerics=False, exact_logprobs=False,
+                                               online_draft_head=False, own_processes=True))
+        cfg = load_config(None, ["rollout.engine=vllm", "rollout.speculative.tree_budget=8"])
+        assert cfg.rollout.speculative.tree_budget == 8 and vllm_speculative(SpecConfig(tree_budget=8))[0] is not None

@@ -171,7 +171,7 @@ def test_stripe_placement_is_never_slower_than_least_loaded(kind):
 
 
 def test_streamed_step_model():
-    from rhymerl.scheduling.step_model import streamed_s
+    from rhymerl.bench.step_model import streamed_s
 
     none = [0.0, 0.0]
     # groups done only at the rollout's end: nothing overlaps, the work follows the rollout
@@ -475,7 +475,7 @@ def test_step_model_projection_rows():
     async overlaps rollout with training; a small cluster keeps the test fast."""
     from dataclasses import replace
 
-    from rhymerl.scheduling.step_model import SCALES, Lengths, project, step_time
+    from rhymerl.bench.step_model import SCALES, Lengths, project, step_time
 
     small = replace(SCALES["8b_32gpu"], gpus=8, prompts=32, n=8, lengths=Lengths(median=1500, max_len=4096))
     rows = {r["variant"]: r for r in project(small)}
@@ -510,7 +510,7 @@ def test_simulated_workers_slow_each_other_by_the_measured_contention():
 def test_calibrations_average_term_by_term_and_learning_differences_are_relative():
     from rhymerl.bench.calibrate import mean_costs
     from rhymerl.bench.e2e import max_rel_diff
-    from rhymerl.scheduling.step_model import LocalCosts
+    from rhymerl.bench.step_model import LocalCosts
 
     a = LocalCosts(StepCost((1, 2), (1.0, 2.0), 0.1), StepCost((1, 2), (1.0, 2.0)), 1e-4, 2, 2,
                    logp_share=0.2, engine_pair_slowdown=1.0, beside_rest=(1.5, 3.0), rest_alone=1.6,

@@ -225,7 +225,7 @@ METHODS = {
 def _model_spec(method: str, path: str, tmp: Path) -> SpecConfig:
     if method == "draft_model":
         return SpecConfig(method="draft_model", draft_model=path, model_draft_tokens=3)
-    from rhymerl.drafting.eagle3_head import write_head
+    from rhymerl.vllm.eagle3_head import write_head
 
     return SpecConfig(method="eagle3", draft_model=str(write_head(path, tmp / "eagle3")), model_draft_tokens=3)
 
@@ -503,7 +503,7 @@ def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_
     from rhymerl.distribution.work import WorkerSpec
     from rhymerl.model import load_pretrained
     from rhymerl.model.config import ModelConfig
-    from rhymerl.drafting.eagle3_head import head_weights
+    from rhymerl.vllm.eagle3_head import head_weights
 
     path, prompts = tiny
     eng = engines.get("eagle3", _model_spec("eagle3", path, tmp_path))
@@ -528,7 +528,7 @@ def test_an_eagle3_heads_shared_embedding_follows_each_sync_and_its_own_weights_
         assert pushed["model.fc.weight"] == pytest.approx(float(fresh["fc.weight"].double().sum()), rel=1e-5)
         assert pushed["model.fc.weight"] != pytest.approx(after["sums"]["model.fc.weight"])
         assert pushed[embed] == pytest.approx(new_embed, rel=1e-6)  # the push left the policy's embedding alone
-        from rhymerl.drafting.eagle3_head import PREFIX
+        from rhymerl.vllm.eagle3_head import PREFIX
         from rhymerl.vllm.engine import WeightSyncError, digest_mismatches
 
         assert not digest_mismatches(fresh, pushed)  # what load_draft_weights checks after each push

@@ -1,4 +1,4 @@
-"""This machine's costs for the whole-step model (:class:`~rhymerl.scheduling.step_model.LocalCosts`),
+"""This machine's costs for the whole-step model (:class:`~rhymerl.bench.step_model.LocalCosts`),
 measured apart from the runs they predict (``rhymerl bench e2e`` calibrates before and after
 them and takes the mean).
 
@@ -22,7 +22,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # the heavy imports stay lazy: `rhymerl bench ...` starts fast
     from rhymerl.config import RolloutSection, RunConfig
-    from rhymerl.scheduling.step_model import LocalCosts
+    from rhymerl.bench.step_model import LocalCosts
 
 _PROMPT_LEN, _TOKENS = 40, 16
 
@@ -185,7 +185,7 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     from rhymerl.engine import SamplingParams
     from rhymerl.llm import LLM
     from rhymerl.model import load_pretrained
-    from rhymerl.scheduling.step_model import LocalCosts
+    from rhymerl.bench.step_model import LocalCosts
     from rhymerl.tokenizer import encode_prompt, load_tokenizer
     from rhymerl.training.trainer import Experience, PolicyTrainer
 

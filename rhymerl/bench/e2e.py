@@ -46,7 +46,7 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
     mini-batches) of a variant whose update streams into its rollout."""
     import json
 
-    from rhymerl.scheduling.step_model import local_rollout, local_rollout_s, overlapped_s, streamed_s
+    from rhymerl.bench.step_model import local_rollout, local_rollout_s, overlapped_s, streamed_s
     from rhymerl.training.stream import processing_order, prompt_minibatches
 
     traces = {t["step"]: t for t in map(json.loads, (run_dir / "traces.jsonl").read_text().splitlines())}

@@ -1,5 +1,5 @@
 """``rhymerl bench project``: what HistoSpec, HistoPipe and async RL would do to a whole RL step
-on GPU clusters, from the step model of :mod:`rhymerl.scheduling.step_model`.
+on GPU clusters, from the step model of :mod:`rhymerl.bench.step_model`.
 
 A projection, not a measurement: the cost models are built from public figures (listed with
 their sources in ``docs/projection.md``), and the sensitivity table shows how the speed-up
@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rhymerl.bench.common import print_table, write_report
-from rhymerl.scheduling.step_model import SCALES, project, sensitivity
+from rhymerl.bench.step_model import SCALES, project, sensitivity
 
 ACCEPTS = (1.5, 2.0, 2.5, 3.0, 3.5)
 SIGMAS = (0.4, 0.8, 1.2)

@@ -19,7 +19,8 @@ import torch
 from rhymerl.device import torch_threads
 from rhymerl.distribution.work import WorkerLost, WorkerSpec
 from rhymerl.distribution.worker import RolloutWorker
-from rhymerl.rollout_engines import get_worker_class
+from rhymerl.distribution.workers import get_worker_class
+from rhymerl.rollout_engines import get_engine
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.T
     ``ray``: Ray actors. ``timeout_s`` bounds every blocking call to a worker."""
     if backend == "local":
         # A vLLM worker is a client: its engine core already runs in a process of its own.
-        inproc = (len(specs) == 1 and in_process) or specs[0].engine == "vllm"
+        inproc = (len(specs) == 1 and in_process) or get_engine(specs[0].engine).own_processes
         pool: WorkerPool = InprocPool(specs) if inproc else ProcessPool(specs, named, timeout_s=timeout_s)
     elif backend == "ray":
         pool = RayPool(specs, address=address, timeout_s=timeout_s, allow_insecure=allow_insecure)

@@ -12,6 +12,7 @@ import torch
 
 from rhymerl.distribution.work import ENGINE_COUNTERS, ItemResult, WorkerReport, WorkerSpec, WorkItem
 from rhymerl.engine.outputs import CompletionOutput
+from rhymerl.rollout_engines import get_engine, unsupported
 
 
 @dataclass
@@ -39,9 +40,10 @@ class VllmRolloutWorker:
         from rhymerl.model.config import ModelConfig
         from rhymerl.vllm.engine import VllmEngine
 
-        if spec.invariant:
-            raise ValueError("rollout.invariant=true is the native engine's shape-invariant numerics; "
-                             "vLLM has no such mode on this platform (use rollout.engine=native)")
+        problems = unsupported(get_engine("vllm"), invariant=spec.invariant,
+                               tree_budget=spec.speculative.tree_budget if spec.speculative else 0)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.engine = engine if engine is not None else VllmEngine(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
                                  dtype=spec.dtype, speculative=spec.speculative, seed=spec.seed,
                                  timeout_s=spec.timeout_s)
@@ -70,7 +72,7 @@ class VllmRolloutWorker:
     def update_weights(self, named: Mapping[str, torch.Tensor]) -> None:
         from rhymerl.model import ours_to_hf
 
-        from rhymerl.drafting.eagle3_head import PREFIX
+        from rhymerl.vllm.eagle3_head import PREFIX
         from rhymerl.vllm.engine import WeightSyncError
 
         learnt = sorted(n for n in named if n.startswith("draft_head."))

@@ -70,7 +70,7 @@ def calibrated(key: Hashable, measure: Callable[[], CostModel]) -> CostModel:
     device, dtype, thread count and cache): engines built later in the process (a training run
     after another, several ``LLM`` objects, a worker rebuilt after a fault) reuse the table.
     Each measurement costs about a second on a CPU and says the same thing; the gate's online
-    check (:class:`rhymerl.drafting.gate.RealizedCost`) follows the machine's speed from there."""
+    check (:class:`rhymerl.drafting.gate_estimates.RealizedCost`) follows the machine's speed from there."""
     table = _MEASURED.get(key)
     if table is None:
         table = _MEASURED[key] = dict(measure().table)

@@ -1,4 +1,4 @@
-"""Online training of an Eagle3 head (:mod:`rhymerl.drafting.eagle3_head`) for vLLM during RL.
+"""Online training of an Eagle3 head (:mod:`rhymerl.vllm.eagle3_head`) for vLLM during RL.
 
 The trainer's forward over each micro-batch already runs the policy; forward pre-hooks on the
 three layers the head reads keep the residual stream entering them (detached), and the head
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rhymerl.drafting.eagle3_head import PREFIX, Eagle3Head, aux_layers, new_head, write_head
+from rhymerl.vllm.eagle3_head import PREFIX, Eagle3Head, aux_layers, new_head, write_head
 from rhymerl.training.online_head import OnlineHead
 
 HEAD_DIR = "eagle3_head"

@@ -24,6 +24,7 @@ from rhymerl.atomic_io import atomic_write_text, fsync_file
 from rhymerl.config import RunConfig, load_config, minibatch_split
 from rhymerl.device import machine_info, resolve_device, torch_threads
 from rhymerl.progress import progress
+from rhymerl.rollout_engines import get_engine
 from rhymerl.rewards import RewardPool, RewardSpec
 from rhymerl.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rhymerl.training.batch import KeptBatch, ScoredRollout, UpdateResult
@@ -179,7 +180,7 @@ class RLRun:
             return UpdateResult()
         # The engine's sampling log-probs: async RL corrects by them; on-policy, another engine's
         # are compared with the trainer's (a failed weight sync or a numerics gap shows there).
-        on_policy_check = not self.versions.asynchronous and self.cfg.rollout.engine != "native"
+        on_policy_check = not self.versions.asynchronous and not get_engine(self.cfg.rollout.engine).exact_logprobs
         exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
                                behaviour_logprobs=behaviour if self.versions.asynchronous or on_policy_check else None)
         sampled = exp.behav_logp if on_policy_check else None

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from rhymerl.drafting.config import SpecConfig
+from rhymerl.rollout_engines import get_engine, unsupported
 
 PROPOSER = "rhymerl.vllm.HistoSpecProposer"
 
@@ -38,7 +39,7 @@ def _draft_model(c: SpecConfig) -> dict[str, Any]:
 def _eagle3(c: SpecConfig) -> dict[str, Any]:  # an Eagle3 head's folder (a run training one online writes it)
     if not c.draft_model:
         raise ValueError("speculative.method=eagle3 needs speculative.draft_model=PATH (an Eagle3 head's folder; "
-                         "rhymerl.drafting.eagle3_head.write_head writes a fresh one)")
+                         "rhymerl.vllm.eagle3_head.write_head writes a fresh one)")
     return {"method": "eagle3", "model": c.draft_model, "num_speculative_tokens": c.model_draft_tokens}
 
 
@@ -64,9 +65,9 @@ def vllm_speculative(cfg: SpecConfig | None) -> tuple[dict[str, Any] | None, dic
     What vLLM cannot verify is refused here, never dropped."""
     if cfg is None or cfg.method == "none":
         return None, {}
-    if cfg.tree_budget > 0:
-        raise ValueError(f"speculative.tree_budget={cfg.tree_budget}: vLLM verifies draft chains, not trees "
-                         "(set it to 0, or use rollout.engine=native)")
+    problems = unsupported(get_engine("vllm"), tree_budget=cfg.tree_budget)
+    if problems:
+        raise ValueError("; ".join(problems))
     spec = get_vllm_method(cfg.method)(cfg)
     extra = {k: v for k, v in asdict(cfg).items() if k in _PROPOSER_FIELDS} if spec.get("model") == PROPOSER else {}
     return spec, extra

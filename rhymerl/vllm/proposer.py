@@ -47,6 +47,7 @@ from rhymerl.drafting.length_policy import resolve
 from rhymerl.vllm.draft_gate import DraftGate
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
+from rhymerl.rollout_engines import get_engine, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     fields = dict(extra or {})
     fields.setdefault("method", "history")
     cfg = SpecConfig.from_mapping(fields)
-    if cfg.tree_budget > 0:
-        raise ValueError("rhymerl.vllm.HistoSpecProposer: vLLM verifies draft chains, not trees "
-                         f"(speculative.tree_budget={cfg.tree_budget}; set it to 0)")
+    problems = unsupported(get_engine("vllm"), tree_budget=cfg.tree_budget)
+    if problems:
+        raise ValueError("rhymerl.vllm.HistoSpecProposer: " + "; ".join(problems))
     model = [n for n in source_names(cfg) if n not in INDEX_SOURCES]
     if model:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer drafts from history and live samples; the sources "

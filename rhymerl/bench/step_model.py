@@ -9,7 +9,7 @@ how the projected speed-ups move when the least certain of them do.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
