@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from rhymerl.config import load_config  # noqa: E402
 from rhymerl.training.checkpoint import latest_checkpoint  # noqa: E402
 from rhymerl.training.sft import run_sft  # noqa: E402
-from tests.conftest import TINY, learning_metrics, rl_overrides  # noqa: E402
+from tests.helpers import TINY, learning_metrics, rl_overrides  # noqa: E402
 
 # Long enough that training, not the process start-up, takes most of the wall time.
 STEPS = ["trainer.steps=24", "trainer.eval_every=8", "data.num_train=12"]

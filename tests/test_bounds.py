@@ -12,16 +12,6 @@ from rhymerl.config import load_config
 from rhymerl.distribution.work import WorkerLost
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from rhymerl.model import save_pretrained
-    from tests.conftest import tiny_model
-
-    out = tmp_path_factory.mktemp("m")
-    save_pretrained(tiny_model(), out)
-    return str(out)
-
-
 def _spec(model_dir: str):
     from rhymerl.distribution.work import WorkerSpec
 

@@ -13,7 +13,7 @@ from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.token_balance import balance_by_tokens
 
-from tests.conftest import kill_and_resume, learning_metrics, rl_overrides
+from tests.helpers import kill_and_resume, learning_metrics, rl_overrides
 
 # A nonzero gradient on the tiny task (its base model scores 0, so advantages are 0 alone).
 LEARN = ["algorithm.entropy_coef=0.05"]

@@ -8,20 +8,17 @@ from rhymerl.engine import SamplingParams
 from rhymerl.llm import LLM
 from rhymerl.model import save_pretrained
 
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model, tokens_of
 
 PROMPTS = [[3, 4, 5, 6 + i] for i in range(8)]
 KEYS = [f"p{i}" for i in range(8)]
 
 
-def _tokens(outs):
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
 
 def _run(model, spec, sp, keys=None):
     llm = LLM(model, max_num_seqs=64, max_model_len=96, speculative=spec)
     outs = llm.generate(PROMPTS, sp, prompt_keys=keys, use_tqdm=False)
-    return _tokens(outs), llm
+    return tokens_of(outs), llm
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +126,7 @@ def test_draft_head_trains_on_the_policy_forward_and_drafts_losslessly(tmp_path)
     # the trained weights pushed the way a weight sync pushes them (names draft_head.*)
     llm = LLM(m, max_num_seqs=64, max_model_len=96, speculative={"method": "draft_head", "gate": False})
     llm.update_weights({**dict(m.named_parameters()), **tr.named()})
-    trained = _tokens(llm.generate(PROMPTS, sp, use_tqdm=False))
+    trained = tokens_of(llm.generate(PROMPTS, sp, use_tqdm=False))
     assert fresh == ref and trained == ref
     assert llm.engine.stats.accepted_per_forward > llm0.engine.stats.accepted_per_forward + 1.0
     # saved and loaded as LLM(speculative={"method": "draft_head", "draft_head": PATH}) does

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rhymerl import LLM, SamplingParams
-from rhymerl.drafting import HistoryStore, SuffixIndex, build_proposer
+from rhymerl.drafting import HistoryStore, build_proposer
 from rhymerl.drafting.draft_width import best_width, expected_accepted, uniform_width
 from rhymerl.drafting.gate_estimates import AcceptanceEstimate
 from rhymerl.drafting.length_policy import additive, multiplicative
@@ -20,7 +20,7 @@ from rhymerl.drafting import suffix_index, suffix_reference
 from rhymerl.engine.cost_model import CostModel
 from rhymerl.engine.draft import as_batch
 from rhymerl.engine.sampler import sampling_logprobs, uniforms
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 IMPLS = pytest.mark.parametrize("impl", ["compiled", "reference"])

@@ -5,7 +5,7 @@ import torch
 
 from rhymerl import LLM, SamplingParams
 from rhymerl.engine import DraftTree, Proposer
-from tests.conftest import naive_greedy, tiny_model
+from tests.helpers import naive_greedy, tiny_model, tokens_of
 
 PROMPTS = [[3, 4, 5], [7] * 10, [1, 5], [9, 8, 7, 6, 5], [4, 4], [5, 6, 7, 8, 9, 10, 11], [30] * 17, [12]]
 
@@ -20,17 +20,14 @@ def test_greedy_equals_naive_decode(model):
         assert o.outputs[0].finish_reason == "length"
 
 
-def _tokens(outs):
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
 
 def test_sampled_output_independent_of_batch(model):
     sp = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
-    alone = _tokens(LLM(model, max_num_seqs=8, max_model_len=64).generate([PROMPTS[1]], sp, use_tqdm=False))[0]
+    alone = tokens_of(LLM(model, max_num_seqs=8, max_model_len=64).generate([PROMPTS[1]], sp, use_tqdm=False))[0]
     llm = LLM(model, max_num_seqs=64, max_model_len=64)
-    in_batch = _tokens(llm.generate(PROMPTS, sp, use_tqdm=False))[1]
-    reordered = _tokens(llm.generate(PROMPTS[::-1] * 8, sp, use_tqdm=False))[len(PROMPTS) - 2]
-    small = _tokens(LLM(model, max_num_seqs=2, max_model_len=64).generate(PROMPTS, sp, use_tqdm=False))[1]
+    in_batch = tokens_of(llm.generate(PROMPTS, sp, use_tqdm=False))[1]
+    reordered = tokens_of(llm.generate(PROMPTS[::-1] * 8, sp, use_tqdm=False))[len(PROMPTS) - 2]
+    small = tokens_of(LLM(model, max_num_seqs=2, max_model_len=64).generate(PROMPTS, sp, use_tqdm=False))[1]
     assert alone == in_batch == reordered == small
 
 

@@ -24,7 +24,7 @@ from rhymerl.llm import LLM
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 
-from tests.conftest import learning_metrics, rl_overrides, tiny_model
+from tests.helpers import learning_metrics, rl_overrides, tiny_model
 
 PROMPTS = [[3 + (i * 7) % 30, 4 + i % 5, 5 + (i * 3) % 11] + [6 + (i * j) % 20 for j in range(i % 9)]
            for i in range(24)]

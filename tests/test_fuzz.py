@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -198,7 +197,7 @@ def saved_run(base_model, tmp_path_factory):
     """A tiny run with checkpoints, and an RLRun over it to restore them into."""
     from rhymerl.training.rl import RLRun, train
 
-    from tests.conftest import rl_overrides
+    from tests.helpers import rl_overrides
 
     run = tmp_path_factory.mktemp("ckrun") / "run"
     cfg = load_config(None, rl_overrides(base_model, run) + ["trainer.steps=2", "trainer.eval_every=100"])

@@ -25,7 +25,7 @@ from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 
-from tests.conftest import learning_metrics, rl_overrides, tiny_model
+from tests.helpers import learning_metrics, rl_overrides, tiny_model
 
 HANG = """
 import time, os

