@@ -266,3 +266,73 @@ def test_the_draft_length_inside_vllm_is_vllms_num_speculative_tokens():
     assert proposer_config(7, extra).index_draft_tokens == 7
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         proposer_config(7, {"index_draft_tokens": 12})
+
+
+def _add_epoch(eng: Engine, part: dict, epoch, e: int, n: int = 4) -> None:
+    for key, (prompt, _) in part.items():
+        j = int(key[1:])
+        for i in range(n):
+            eng.add(prompt, epoch(e, j, i), key, f"{e}:{key}", n, i)
+
+
+def _run_together(engines: list[Engine]) -> float:
+    """Engines stepping in turn (GPUs side by side): tokens per forward over all of them."""
+    f0, t0 = sum(g.forwards for g in engines), sum(g.tokens for g in engines)
+    while any(g.live or g.waiting for g in engines):
+        for g in engines:
+            if g.live or g.waiting:
+                g.step()
+    return (sum(g.tokens for g in engines) - t0) / max(1, sum(g.forwards for g in engines) - f0)
+
+
+def test_engines_sharing_a_history_folder_draft_from_each_others_epochs(tmp_path):
+    """verl's and OpenRLHF's layout: one engine per GPU, and each prompt's next epoch on the
+    other engine. Through a shared folder each drafts from the epochs the other recorded, as
+    much as from the same history pushed; without it a prompt new to an engine has none."""
+    base, epoch = task(1)
+    halves = [dict(list(base.items())[:12]), dict(list(base.items())[12:])]
+    rates = {}
+    for name, kw in (("shared", {"history_dir": str(tmp_path / "h"), "history_sync_s": 0}), ("apart", {})):
+        runners = [Runner(), Runner()]
+        engines = [Engine(proposer(r, **kw), r) for r in runners]
+        for e in (1, 2, 3):
+            for i, eng in enumerate(engines):
+                _add_epoch(eng, halves[(i + e) % 2], epoch, e)  # the halves swap engines every epoch
+            rates.setdefault(name, []).append(_run_together(engines))
+    runner = Runner()
+    pushed = proposer(runner, record=False)
+    eng = Engine(pushed, runner)
+    pushed.put_history([(k, p, [(2, [epoch(2, int(k[1:]), i) for i in range(4)], [None] * 4)])
+                        for k, (p, _) in base.items()])
+    _add_epoch(eng, base, epoch, 3)
+    rates["pushed"] = eng.run()
+    assert rates["shared"][2] >= 0.9 * rates["pushed"], rates
+    assert rates["shared"][1] > 1.3 * rates["apart"][1], rates
+    segs = list((tmp_path / "h").iterdir())
+    assert segs and all(p.name.endswith(".hist.gz") for p in segs)
+
+
+def test_a_damaged_or_foreign_segment_is_skipped_with_one_warning_and_the_folder_stays_bounded(tmp_path, caplog):
+    from rhymerl.drafting import HistoryStore
+    from rhymerl.vllm.shared_history import SharedHistory
+
+    folder = tmp_path / "h"
+    folder.mkdir()
+    (folder / "00000000000000000001-x.hist.gz").write_bytes(b"not gzip at all")
+    foreign = HistoryStore()
+    foreign.add("p", [1, 2], [[VOCAB + 5]], 1)  # a token this engine's vocabulary lacks
+    foreign.save(folder / "00000000000000000002-y.hist.gz")
+    good = HistoryStore()
+    good.add("q", [1, 2], [[3, 4, 5]], 7)
+    good.save(folder / "00000000000000000003-z.hist.gz")
+    store = HistoryStore()
+    shared = SharedHistory(folder, store, vocab_size=VOCAB, interval_s=0, max_bytes=1)
+    with caplog.at_level("WARNING"):
+        shared.tick(0.0)
+        shared.tick(1.0)  # read once: no second warning
+    assert (shared.read, shared.skipped) == (1, 2) and "p" not in store
+    assert store.prompts["q"].rollouts[0].responses == [[3, 4, 5]]
+    assert sum("discarded" in r.getMessage() for r in caplog.records) == 2
+    shared.record("r", [1], [[6, 7]], 1)
+    shared.tick(2.0)  # written, then the folder cut to its bound: the oldest first, its own last
+    assert [p.name.endswith(shared.engine_id + ".hist.gz") for p in folder.iterdir()] == [True]

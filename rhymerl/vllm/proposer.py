@@ -20,6 +20,9 @@ from the earlier epochs with no code of ours in its loop. ``additional_config["r
 - ``history``: a history file a rhymerl run wrote (``RUN/checkpoints/step_N/history.json.gz``);
 - ``history_tokens``: the token budget (default :data:`HISTORY_TOKENS`);
 - ``record``: false turns self-recording off;
+- ``history_dir``: a folder several engines share (one per GPU, as verl and OpenRLHF run them):
+  each appends what it records and reads the others' (:mod:`rhymerl.vllm.shared_history`), at
+  most every ``history_sync_s`` seconds (5), the folder kept under ``history_dir_bytes`` (1 GiB);
 - ``speculative``: :class:`rhymerl.drafting.SpecConfig` fields (``history_epochs``, ``sources``...);
 - ``draft_gate``: true drafts only on steps where this engine's measured costs say it pays
   (:class:`rhymerl.vllm.draft_gate.DraftGate`; off by default).
@@ -40,11 +43,12 @@ import hashlib
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rhymerl.drafting import HistoryStore, SpecConfig, SpecController, source_names
 from rhymerl.drafting.length_policy import resolve
 from rhymerl.vllm.draft_gate import DraftGate
+from rhymerl.vllm.shared_history import SharedHistory
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 from rhymerl.rollout_engines import get_engine, unsupported
@@ -113,7 +117,13 @@ class HistoSpecProposer:
             self.store.replace_with(HistoryStore.load(extra["history"], vocab_size=vocab, max_total_tokens=budget,
                                                       max_bytes=16 * budget + (1 << 20)))
             log.info("rhymerl history: %d prompts from %s", len(self.store), extra["history"])
-        self.recorder = Recorder(self.store) if extra.get("record", True) else None
+        # Several engines: what each records goes through a shared folder to the others.
+        self.shared = SharedHistory(extra["history_dir"], self.store, vocab_size=vocab,
+                                    interval_s=float(extra.get("history_sync_s", 5.0)),
+                                    max_bytes=int(extra.get("history_dir_bytes", 1 << 30))) \
+            if extra.get("history_dir") else None
+        self.recorder = Recorder(self.store, self.shared.record if self.shared else None) \
+            if extra.get("record", True) else None
         # Opt-in: draft only where it pays on this engine (draft_gate.py); off by default until
         # rounds timed in turn show it ahead of drafting always (docs/design.md).
         self.gate = DraftGate() if extra.get("draft_gate", False) else None
@@ -188,6 +198,8 @@ class HistoSpecProposer:
         req_ids = list(self.runner.input_batch.req_ids)[: len(sampled_token_ids)]
         self._observe(sampled_token_ids, req_ids)
         self._retire(set(req_ids))
+        if self.shared is not None:
+            self.shared.tick()
         seqs, rows, admitted = self._rows(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, req_ids)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         if self.gate is not None and self._step_s is not None and not admitted:
@@ -305,8 +317,9 @@ class Recorder:
     """Self-recorded history: a prompt's samples that run together make one rollout, committed to
     the store (under the prompt's key) when the last of them finishes."""
 
-    def __init__(self, store: HistoryStore) -> None:
-        self.store = store
+    def __init__(self, store: HistoryStore, on_commit: Callable[[str, list[int], list[list[int]], int], None]
+                 | None = None) -> None:
+        self.store, self.on_commit = store, on_commit
         self.open: dict[str, tuple[list[int], int, list[list[int]]]] = {}  # key -> (prompt, live, responses)
 
     def admit(self, seq: Sequence) -> None:
@@ -328,3 +341,5 @@ class Recorder:
             h = self.store.prompts.get(seq.prompt_key)
             step = h.rollouts[-1].step + 1 if h is not None and h.rollouts else 1
         self.store.add(seq.prompt_key, prompt, responses, step)
+        if self.on_commit is not None:
+            self.on_commit(seq.prompt_key, prompt, responses, step)
