@@ -76,6 +76,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["temperatures"] = tuple(float(t) for t in ns.temperatures.split(","))
         if ns.epochs:
             kw["epochs"] = max(int(e) for e in ns.epochs.split(","))
+        if ns.reps:
+            kw["rounds"] = ns.reps
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "spec":
         from rhymerl.bench.spec import run
@@ -206,7 +208,7 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
     b.add_argument("--epochs", help="spec: the measured epochs, comma-separated (default 1,3)")
-    b.add_argument("--reps", type=int, help="spec: timed rounds of the gated rows, methods in turn (default 5)")
+    b.add_argument("--reps", type=int, help="spec: timed rounds (native: of the gated rows; vllm: of every row), methods in turn (default 5)")
     b.add_argument("--variants", help="e2e: comma-separated subset (the baseline and what they are compared "
                                       "with always run)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
