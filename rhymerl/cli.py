@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from rhymerl.config import ConfigError, load_config
+from rhymerl.rollout_engines import BACKENDS
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -216,7 +217,7 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
                    help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")
     b.add_argument("--simulated-only", action="store_true",
                    help="pipe: the simulated table alone (no local runs; the built-in task's rows need its traces)")
-    b.add_argument("--backend", choices=["local", "ray"], default="local",
+    b.add_argument("--backend", choices=list(BACKENDS), default="local",
                    help="train: where the trainer ranks run (local processes or Ray actors)")
     b.set_defaults(fn=cmd_bench)
 

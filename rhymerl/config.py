@@ -16,7 +16,7 @@ from typing import Any, Collection
 import yaml
 
 from rhymerl.drafting.config import SpecConfig, renamed_keys
-from rhymerl.rollout_engines import ENGINES, get_engine, unsupported
+from rhymerl.rollout_engines import BACKENDS, ENGINES, get_engine, unsupported
 from rhymerl.scheduling.length_predictor import STATS
 from rhymerl.scheduling.planner import PLACEMENTS, SCHEDULES
 
@@ -318,7 +318,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "algorithm.kl_type": KL_TYPES,
         "trainer.lr_schedule": ("constant", "cosine"),
         "trainer.minibatch_split": MINIBATCH_SPLITS,
-        "rollout.backend": ("local", "ray"),
+        "rollout.backend": BACKENDS,
         "rollout.engine": tuple(ENGINES),
         "rollout.schedule": SCHEDULES,
         "rollout.length_stat": tuple(STATS),

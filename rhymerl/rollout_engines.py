@@ -27,6 +27,10 @@ ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
 )}
 
 
+# Where rollout workers (and trainer ranks) run: processes of this machine, or Ray actors.
+BACKENDS = ("local", "ray")
+
+
 def get_engine(name: str) -> EngineSpec:
     if name not in ENGINES:
         raise ValueError(f"rollout.engine {name!r} is not one of {sorted(ENGINES)}")

@@ -20,7 +20,7 @@ from rhymerl.device import torch_threads
 from rhymerl.distribution.work import WorkerLost, WorkerSpec
 from rhymerl.distribution.worker import RolloutWorker
 from rhymerl.distribution.workers import get_worker_class
-from rhymerl.rollout_engines import get_engine
+from rhymerl.rollout_engines import BACKENDS, get_engine
 
 log = logging.getLogger(__name__)
 
@@ -480,6 +480,6 @@ def make_pool(backend: str, specs: list[WorkerSpec], named: Mapping[str, torch.T
     elif backend == "ray":
         pool = RayPool(specs, address=address, timeout_s=timeout_s, allow_insecure=allow_insecure)
     else:
-        raise ValueError(f"rollout.backend {backend!r} is not one of 'local', 'ray'")
+        raise ValueError(f"rollout.backend {backend!r} is not one of {list(BACKENDS)}")
     pool.update_weights(named)
     return pool
