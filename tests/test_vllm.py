@@ -668,7 +668,8 @@ def test_histospec_runs_in_any_vllm_program_from_a_history_file(engines, tiny, t
         by_tokens = accepted_per_draft(hashed, lambda i: None)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    # Intel Xeon: 3.5-3.6 accepted per draft from the prompt's own response, 2.1-2.5 without it.
+    # The prompt's own earlier response drafts most of each greedy continuation; without it only
+    # the other responses' matches do.
     got = {"unmatched": unmatched, "by_name": by_name, "by_tokens": by_tokens}
     assert by_name > unmatched + 0.5 and by_tokens > unmatched + 0.5 and min(by_name, by_tokens) > 2.5, got
 

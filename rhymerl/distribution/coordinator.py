@@ -12,7 +12,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -58,6 +58,12 @@ class PipeStats:
     steals: int = 0  # waiting samples taken by an idle worker
     lost_workers: int = 0
     rerun_samples: int = 0  # samples re-run because their worker was lost
+
+
+def _shape(requests: list[RolloutRequest]) -> dict[str, Any]:
+    """What plans are priced with besides lengths: the mean prompt and the length limit."""
+    return {"prompt_len": float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0,
+            "max_tokens": max((r.params.max_tokens for r in requests), default=None)}
 
 
 class RolloutCoordinator:
@@ -127,9 +133,7 @@ class RolloutCoordinator:
             migrate = migrate and learnt_migrate
         plan = make_plan(policy, lengths, len(alive), cost=self.cost, max_num_seqs=self.max_num_seqs, step=step,
                          complementary=self.complementary, migrate=migrate, placement=placement,
-                         prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])) if requests else 0.0,
-                         error_sigma=self.length_error_sigma,
-                         max_tokens=max((r.params.max_tokens for r in requests), default=None))
+                         error_sigma=self.length_error_sigma, **_shape(requests))
         if policy not in ORACLES:
             plan.known = np.array([len(h) > 0 for h in hist], dtype=bool)
             plan.lengths = lengths
@@ -163,9 +167,7 @@ class RolloutCoordinator:
             return
         self.placements.observe(plan.lengths, actual, len(plan.workers), cost=self.cost,
                                 max_num_seqs=self.max_num_seqs,
-                                prompt_len=float(np.mean([len(r.prompt_ids) for r in requests])),
-                                error_sigma=self.length_error_sigma,
-                                max_tokens=max((r.params.max_tokens for r in requests), default=None))
+                                error_sigma=self.length_error_sigma, **_shape(requests))
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],

@@ -109,6 +109,11 @@ class HistoryStore:
         if not h.rollouts:
             del self.prompts[key]
 
+    def next_step(self, key: str) -> int:
+        """The label of a new rollout of ``key`` with no step of its own: one past its newest."""
+        h = self.prompts.get(key)
+        return h.rollouts[-1].step + 1 if h is not None and h.rollouts else 1
+
     def lengths(self, key: str) -> list[int]:
         """Response lengths of a prompt's stored rollouts (all kept epochs)."""
         h = self.prompts.get(key)

@@ -46,12 +46,13 @@ import time
 from typing import Any, Callable
 
 from rhymerl.drafting import HistoryStore, SpecConfig, SpecController, source_names
+from rhymerl.drafting.config import renamed_keys
 from rhymerl.drafting.length_policy import resolve
-from rhymerl.vllm.draft_gate import DraftGate
-from rhymerl.vllm.shared_history import SharedHistory
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 from rhymerl.rollout_engines import get_engine, unsupported
+from rhymerl.vllm.draft_gate import DraftGate
+from rhymerl.vllm.shared_history import SharedHistory
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     at most ``k`` tokens (vLLM's ``num_speculative_tokens``, the one draft-length setting there;
     vLLM verifies chains). The native engine's gate is off there:
     :class:`rhymerl.vllm.draft_gate.DraftGate` decides from vLLM's own steps instead."""
-    fields = dict(extra or {})
+    fields = renamed_keys(extra or {}, "speculative")
     fields.setdefault("method", "history")
     cfg = SpecConfig.from_mapping(fields)
     problems = unsupported(get_engine("vllm"), tree_budget=cfg.tree_budget)
@@ -80,7 +81,7 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     if model:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer drafts from history and live samples; the sources "
                          f"{model} run a model: use vLLM's own draft_model / eagle3 methods for those")
-    if ("index_draft_tokens" in fields or "max_draft" in fields) and cfg.index_draft_tokens != k:
+    if "index_draft_tokens" in fields and cfg.index_draft_tokens != k:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer: the draft length is vLLM's num_speculative_tokens ({k}); "
                          f"remove index_draft_tokens={cfg.index_draft_tokens} from additional_config")
     return cfg.with_(index_draft_tokens=k, gate=False, length_policy=resolve(cfg.length_policy, "vllm"))
@@ -338,8 +339,7 @@ class Recorder:
             return
         del self.open[seq.prompt_key]
         if step is None:  # a new rollout of this prompt: after every one it has (a file's included)
-            h = self.store.prompts.get(seq.prompt_key)
-            step = h.rollouts[-1].step + 1 if h is not None and h.rollouts else 1
+            step = self.store.next_step(seq.prompt_key)
         self.store.add(seq.prompt_key, prompt, responses, step)
         if self.on_commit is not None:
             self.on_commit(seq.prompt_key, prompt, responses, step)

@@ -33,10 +33,14 @@ class SharedHistory:
         self.store, self.vocab_size = store, vocab_size
         self.interval_s, self.max_bytes = interval_s, max_bytes
         self.engine_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._pending = HistoryStore(max_rollouts=1 << 30, max_total_tokens=store.max_total_tokens)
+        self._pending = self._empty()
         self._seen: set[str] = set()  # segment names read (or this engine's own)
         self._last_write = self._last_read = float("-inf")
         self.written = self.read = self.skipped = 0  # segments
+
+    def _empty(self) -> HistoryStore:
+        """What is pending for the next segment: every rollout recorded since the last one."""
+        return HistoryStore(max_rollouts=1 << 30, max_total_tokens=self.store.max_total_tokens)
 
     def record(self, key: str, prompt_ids: list[int], responses: list[list[int]], step: int) -> None:
         """A rollout this engine committed to its store: shared with the next write."""
@@ -64,7 +68,7 @@ class SharedHistory:
         except OSError as e:  # a full or vanished share costs drafts, never the rollout
             log.warning("rhymerl shared history %s: cannot write a segment (%s)", self.folder, e)
             return
-        self._pending = HistoryStore(max_rollouts=1 << 30, max_total_tokens=self.store.max_total_tokens)
+        self._pending = self._empty()
         self.written += 1
         self._bound(keep=name)
 
@@ -88,9 +92,7 @@ class SharedHistory:
                 continue
             for key, h in seg.prompts.items():
                 for r in h.rollouts:
-                    mine = self.store.prompts.get(key)
-                    label = mine.rollouts[-1].step + 1 if mine is not None and mine.rollouts else 1
-                    self.store.add(key, h.prompt_tail, r.responses, label, r.rewards)
+                    self.store.add(key, h.prompt_tail, r.responses, self.store.next_step(key), r.rewards)
             self.read += 1
 
     def _bound(self, keep: str) -> None:
