@@ -243,7 +243,7 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
                              "migrations": r.migrations, "steals": r.steals, "length_error_sigma": sigma,
                              "tail_share": r.tail_share,
                              "plan_s": plan_s, "sim_wall_s": time.perf_counter() - t,
-                             "placement": "+".join(map(str, learnt.choose())) if label == "histopipe" else ""})
+                             "placement": f"{placement}+{moves}" if label == "histopipe" else ""})
             for row in rows[-len(plans):]:
                 row["vs_even"] = res["even"].makespan_s / row["makespan_s"]
                 row["vs_oracle"] = row["makespan_s"] / res["oracle"].makespan_s
@@ -512,8 +512,8 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
     print()
-    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "placement", "makespan_s", "bubble_fraction",
-                       "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
+    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "placement", "makespan_s",
+                       "bubble_fraction", "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
                        "tail_share", "plan_s", "simulated_s", "sim_error", "moved", "migrations", "steals"])
     return write_report(rows, json_path, {"length_rank_correlation": corrs.get("mean"),
                                            "length_rank_correlation_by_stat": corrs})
