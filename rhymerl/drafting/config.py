@@ -22,7 +22,7 @@ class SpecConfig:
     pattern_min: int = 3
     history_epochs: int = 1
     reward_weight: float = 0.0  # >0: branches of higher-reward responses weigh more
-    gate: bool = True
+    gate: bool = True  # draft only what pays on this engine (native: the gate; vLLM: each row's draft cut off)
     prompt_lookup_min: int = 3  # the ngram source's n-gram sizes
     prompt_lookup_max: int = 7
     # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer (eagle3: an Eagle3 head's; unset: one trained online).

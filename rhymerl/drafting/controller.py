@@ -261,6 +261,10 @@ class SpecController(Proposer):
         return (DraftBatch.from_trees(drafts), [c[0] if c is not None else None for c in chosen],
                 [c[2] if c is not None else None for c in chosen])
 
+    def row_sources(self) -> list[str | None]:
+        """Each row's draft source in the batch ``propose`` just returned (None: no draft)."""
+        return list(self._pending[2]) if self._pending is not None else []
+
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         if self.gate.resting:  # a quiet step (applied when the gate wakes), or a dormant rollout
             return

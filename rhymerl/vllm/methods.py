@@ -13,7 +13,7 @@ PROPOSER = "rhymerl.vllm.HistoSpecProposer"
 
 # SpecConfig fields the HistoSpec proposer reads inside vLLM (sent in additional_config). The
 # draft length is not one: it goes out as vLLM's num_speculative_tokens, read back from there alone.
-_PROPOSER_FIELDS = ("sources", "length_policy", "min_prob", "pattern_max", "pattern_min",
+_PROPOSER_FIELDS = ("sources", "length_policy", "min_prob", "pattern_max", "pattern_min", "gate",
                     "history_epochs", "reward_weight", "prompt_lookup_min", "prompt_lookup_max")
 
 

@@ -24,8 +24,9 @@ from the earlier epochs with no code of ours in its loop. ``additional_config["r
   each appends what it records and reads the others' (:mod:`rhymerl.vllm.shared_history`), at
   most every ``history_sync_s`` seconds (5), the folder kept under ``history_dir_bytes`` (1 GiB);
 - ``speculative``: :class:`rhymerl.drafting.SpecConfig` fields (``history_epochs``, ``sources``...);
-- ``draft_gate``: true drafts only on steps where this engine's measured costs say it pays
-  (:class:`rhymerl.vllm.draft_gate.DraftGate`; off by default).
+  its ``gate`` (on by default) ends each row's draft where this engine's measured step cost and
+  its source's measured acceptance say further tokens stop paying
+  (:class:`rhymerl.vllm.draft_cutoff.DraftCutoff`); false drafts as far as the index is confident.
 
 A rhymerl trainer pushes each prompt's history before its step (``put_history``): a pushed
 prompt's history replaces what was recorded for it. vLLM verifies every draft with its
@@ -51,7 +52,7 @@ from rhymerl.drafting.length_policy import resolve
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 from rhymerl.rollout_engines import get_engine, unsupported
-from rhymerl.vllm.draft_gate import DraftGate
+from rhymerl.vllm.draft_cutoff import DraftCutoff
 from rhymerl.vllm.shared_history import SharedHistory
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ def prompt_hash_key(prompt_ids) -> str:
 def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     """The drafting config inside vLLM: history by default, index sources only, path drafts of
     at most ``k`` tokens (vLLM's ``num_speculative_tokens``, the one draft-length setting there;
-    vLLM verifies chains). The native engine's gate is off there:
-    :class:`rhymerl.vllm.draft_gate.DraftGate` decides from vLLM's own steps instead."""
+    vLLM verifies chains). ``gate`` is kept as given: inside vLLM it means the
+    :class:`rhymerl.vllm.draft_cutoff.DraftCutoff`, fitted to vLLM's own steps, not the native gate."""
     fields = renamed_keys(extra or {}, "speculative")
     fields.setdefault("method", "history")
     cfg = SpecConfig.from_mapping(fields)
@@ -84,7 +85,7 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     if "index_draft_tokens" in fields and cfg.index_draft_tokens != k:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer: the draft length is vLLM's num_speculative_tokens ({k}); "
                          f"remove index_draft_tokens={cfg.index_draft_tokens} from additional_config")
-    return cfg.with_(index_draft_tokens=k, gate=False, length_policy=resolve(cfg.length_policy, "vllm"))
+    return cfg.with_(index_draft_tokens=k, length_policy=resolve(cfg.length_policy, "vllm"))
 
 
 def _find_runner() -> Any:
@@ -125,21 +126,23 @@ class HistoSpecProposer:
             if extra.get("history_dir") else None
         self.recorder = Recorder(self.store, self.shared.record if self.shared else None) \
             if extra.get("record", True) else None
-        # Opt-in: draft only where it pays on this engine (draft_gate.py); off by default until
-        # rounds timed in turn show it ahead of drafting always (docs/design.md).
-        self.gate = DraftGate() if extra.get("draft_gate", False) else None
+        if "draft_gate" in extra:
+            raise ValueError("rhymerl.vllm.HistoSpecProposer: additional_config['rhymerl']['draft_gate'] is gone; "
+                             "additional_config['rhymerl']['speculative']['gate'] (on by default) decides how far "
+                             "each row drafts")
+        # Each row's draft ends where this engine's costs say its tokens stop paying (draft_cutoff.py).
+        self.cutoff = DraftCutoff(self.k) if self.cfg.gate else None
         self._t_end: float | None = None  # when the last propose call returned (vLLM's step runs between)
-        self._scored = 0  # tokens the step after the last call scored: its rows plus their drafts
-        self.controller = SpecController(self.cfg, self.store)
+        self._verified = (0, 0)  # what the step after the last call verified: its rows, their drafted tokens
+        self.controller = SpecController(self.cfg.with_(gate=False), self.store)  # the cutoff gates here
         self.runner = runner if runner is not None else _find_runner()
         self._seqs: dict[str, Sequence] = {}
         self._groups = _Groups()
-        self._last: tuple[list[Sequence], list[str], list[int]] | None = None  # rows drafted last step
+        self._last: tuple[list[Sequence], list[str], list[int], list] | None = None  # rows drafted last step
         self._began = False  # a rhymerl trainer labels rollouts with its steps (begin)
         self._sampler_ok: bool | None = None  # the rejection sampler's expansion probed correct here
         self.propose_s = 0.0  # time inside propose (vLLM's step waits for it)
         self._step_s: float | None = None
-        self._last_propose_s = 0.0
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's hook for drafters with weights: this one has none."""
@@ -156,8 +159,10 @@ class HistoSpecProposer:
 
     def counters(self) -> dict[str, float]:
         c = self.controller
+        fit = self.cutoff.cost() if self.cutoff is not None else None
+        step_cost = dict(zip(("step_s", "row_s", "draft_token_s"), fit)) if fit is not None else {}
         return {"drafted": sum(c.drafted_by_source.values()), "accepted": sum(c.accepted_by_source.values()),
-                "propose_s": self.propose_s, **c.counters()}
+                "propose_s": self.propose_s, **step_cost, **c.counters()}
 
     def live_state(self) -> dict[str, int]:
         """Sizes of everything this proposer holds per request (a soak test reads them)."""
@@ -192,8 +197,7 @@ class HistoSpecProposer:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         finally:
             self._t_end = time.perf_counter()
-            self._last_propose_s = self._t_end - t0
-            self.propose_s += self._last_propose_s
+            self.propose_s += self._t_end - t0
 
     def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         req_ids = list(self.runner.input_batch.req_ids)[: len(sampled_token_ids)]
@@ -201,26 +205,28 @@ class HistoSpecProposer:
         self._retire(set(req_ids))
         if self.shared is not None:
             self.shared.tick()
-        seqs, rows, admitted = self._rows(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, req_ids)
+        seqs, rows, prefilled = self._rows(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, req_ids)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self.gate is not None and self._step_s is not None and not admitted:
-            self.gate.observe_step(self._scored, self._step_s)  # a step without prefills: decode cost alone
-        self._scored = len(req_ids)
-        if not seqs or (self.gate is not None and not self.gate.decide(len(seqs))):
+        if self.cutoff is not None and self._step_s is not None and not prefilled:
+            self.cutoff.observe_step(*self._verified, self._step_s)  # a step without prefills: decode cost alone
+        self._verified = (len(req_ids), 0)
+        if not seqs:
             return out
         batch = self.controller.propose(seqs)
         if batch is None:
             self.controller.observe(seqs, [0] * len(seqs), [0] * len(seqs))
             return out
         lengths, toks = batch.lengths, batch.tokens.tolist()
+        sources = self.controller.row_sources()
+        keep = self.cutoff.lengths(len(req_ids), sources) if self.cutoff is not None else lengths
         safe_at_temperature = self._sampler_is_correct()
         drafted = []
         for b, i in enumerate(rows):
-            d = lengths[b] if safe_at_temperature or seqs[b].params.temperature == 0 else 0
+            d = min(lengths[b], keep[b]) if safe_at_temperature or seqs[b].params.temperature == 0 else 0
             out[i] = toks[b][:d]
             drafted.append(d)
-        self._last = (seqs, [req_ids[i] for i in rows], drafted)
-        self._scored += sum(drafted)
+        self._last = (seqs, [req_ids[i] for i in rows], drafted, sources)
+        self._verified = (len(req_ids), sum(drafted))
         return out
 
     def _retire(self, live: set[str]) -> None:
@@ -239,11 +245,13 @@ class HistoSpecProposer:
 
     def _rows(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
               req_ids: list[str]) -> tuple[list[Sequence], list[int], bool]:
-        """The batch's rows that can draft, their sequences brought up to date, and whether any
-        request is new here (its prefill ran in the step just done)."""
+        """The batch's rows that can draft, their sequences brought up to date, and whether the
+        step just done ran a prefill (a request new here, or part of one)."""
         seqs, rows, new = [], [], []
+        partial = False
         for i, rid in enumerate(req_ids):
             if not sampled_token_ids[i]:  # a partial prefill: nothing to continue yet
+                partial = True
                 continue
             n = int(num_tokens_no_spec[i])
             seq = self._seqs.get(rid)
@@ -262,7 +270,7 @@ class HistoSpecProposer:
             rows.append(i)
         if new:
             self.controller.on_admit(new)
-        return seqs, rows, bool(new)
+        return seqs, rows, partial or bool(new)
 
     def _sampler_is_correct(self) -> bool:
         if self._sampler_ok is None:
@@ -282,13 +290,13 @@ class HistoSpecProposer:
         ``d`` tokens and emits ``m`` tokens now accepted ``m - 1`` of them."""
         if self._last is None:
             return
-        seqs, rids, drafted = self._last
+        seqs, rids, drafted, sources = self._last
         self._last = None
         emitted = {rid: len(t) for rid, t in zip(req_ids, sampled_token_ids)}
         accepted = [min(d, max(0, emitted.get(rid, 1) - 1)) if d else 0 for rid, d in zip(rids, drafted)]
         self.controller.observe(seqs, drafted, accepted)
-        if self.gate is not None:
-            self.gate.observe_drafts(len(seqs), sum(drafted), sum(accepted), self._last_propose_s)
+        if self.cutoff is not None:
+            self.cutoff.observe_drafts(sources, drafted, accepted)
 
 
 class _Groups:

@@ -1,0 +1,124 @@
+"""How far each row drafts on a vLLM step, from this engine's measured costs and acceptance (the
+native gate's idea, fitted to what a ``custom_class`` proposer sees of vLLM's step).
+
+A step with ``B`` rows verifying ``D`` drafted tokens costs ``c0 + cr * B + cd * D`` seconds
+(fitted online by decayed least squares from the time between consecutive ``propose`` calls).
+Plain decoding makes a token for ``(c0 + cr * B) / B`` seconds; a drafted token costs ``cd`` and
+yields the probability ``q`` that verification reaches and accepts it. It pays when
+
+    q > theta(B) = cd * B / (c0 + cr * B)
+
+so on a compute-bound step (a CPU, a large GPU batch: ``cd`` near a row's share of the step) only
+near-certain tokens are drafted, and in a drained tail or a memory-bound GPU decode (``c0`` large)
+almost any are. ``q`` at draft position ``j`` is the product of the acceptance measured at positions
+``1..j`` for drafts from the same source (siblings, the prompt's history, every prompt's), so a
+row's draft ends where its source's tokens stop paying. Until the cost is fitted rows draft their
+whole length and half of it on alternate steps (so drafted tokens vary apart from rows, and their
+costs can be told apart); one step in ``probe_every`` drafts whole lengths, so acceptance deep in
+drafts stays measured when the cutoff has been short.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class DraftCutoff:
+    def __init__(self, k: int, *, decay: float = 0.98, probe_every: int = 16, prior_accept: float = 0.8,
+                 prior_weight: float = 4.0) -> None:
+        self.k = k
+        self.decay = decay
+        self.probe_every = probe_every
+        self.steps = 0
+        # decayed sums for the cost fit: X^T X over [1, B, D] and X^T y
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self._n = 0.0
+        # per source, per draft position: decayed counts of drafts that reached it and that it accepted
+        self._prior = (prior_accept * prior_weight, prior_weight)
+        self._reached: dict[str | None, np.ndarray] = {}
+        self._accepted: dict[str | None, np.ndarray] = {}
+
+    # --- what the proposer measures ------------------------------------------------------------
+    def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
+        """One decode step (no prefill in it): its rows, the drafted tokens it verified, its time."""
+        x = np.array([1.0, float(rows), float(drafted)])
+        d = self.decay
+        self._xx = d * self._xx + np.outer(x, x)
+        self._xy = d * self._xy + x * seconds
+        self._n = d * self._n + 1.0
+
+    def observe_drafts(self, sources: list[str | None], drafted: list[int], accepted: list[int]) -> None:
+        """Per row: its draft's source, tokens drafted, tokens accepted (verification reached
+        positions ``1..accepted+1``, accepted ``1..accepted``)."""
+        d = self.decay
+        for arr in (*self._reached.values(), *self._accepted.values()):
+            arr *= d
+        n = np.asarray(drafted, dtype=np.int64)
+        a = np.minimum(np.asarray(accepted, dtype=np.int64), n)
+        src = np.asarray([hash(x) for x in sources], dtype=np.int64)
+        for name in {x for x, k in zip(sources, drafted) if k > 0}:
+            rows = (src == hash(name)) & (n > 0)
+            reached, acc = self._counts(name)
+            # a row reached positions 1..min(n, a+1) and accepted 1..a: counts per position from
+            # how many rows went at least that far
+            reached += _at_least(np.minimum(n[rows], a[rows] + 1), self.k)
+            acc += _at_least(a[rows], self.k)
+
+    def _counts(self, src: str | None) -> tuple[np.ndarray, np.ndarray]:
+        if src not in self._reached:
+            self._reached[src] = np.zeros(self.k)
+            self._accepted[src] = np.zeros(self.k)
+        return self._reached[src], self._accepted[src]
+
+    # --- what it decides -------------------------------------------------------------------------
+    def cost(self) -> tuple[float, float, float] | None:
+        """(c0, cr, cd) in seconds, or None while the steps seen cannot separate them."""
+        if self._n < 8:
+            return None
+        xx = self._xx / self._n
+        m = xx[0, 1:]  # mean rows, mean drafted tokens
+        cov = xx[1:, 1:] - np.outer(m, m)
+        var = np.diag(cov)
+        if var.min() <= 1e-9 * max(1.0, float(m.max()) ** 2):
+            return None  # rows or drafts never varied
+        if 1.0 - cov[0, 1] ** 2 / (var[0] * var[1]) < 0.02:
+            return None  # they moved together: their costs cannot be told apart
+        c0, cr, cd = np.linalg.solve(xx, self._xy / self._n)
+        return float(c0), float(max(cr, 0.0)), float(max(cd, 0.0))
+
+    def threshold(self, rows: int) -> float:
+        """The acceptance probability a drafted token needs to pay on a step of ``rows`` rows
+        (0: draft everything, while the cost is not yet measured)."""
+        fit = self.cost()
+        if fit is None or rows <= 0:
+            return 0.0
+        c0, cr, cd = fit
+        plain = c0 + cr * rows
+        return 1.0 if plain <= 0 else cd * rows / plain
+
+    def reach(self, src: str | None) -> np.ndarray:
+        """``q`` per draft position for ``src``'s drafts: the chance verification accepts every
+        token up to it (measured, with a prior)."""
+        reached, acc = self._counts(src)
+        pa, pw = self._prior
+        return np.cumprod((acc + pa) / (reached + pw))
+
+    def lengths(self, rows: int, sources: list[str | None]) -> list[int]:
+        """The most tokens each row's draft (from ``sources[i]``) should keep on this step."""
+        self.steps += 1
+        if self.steps % self.probe_every == 0:
+            return [self.k] * len(sources)
+        if self.cost() is None:  # not measured yet: every other step half as far, so drafts vary apart from rows
+            return [self.k if self.steps % 2 else max(1, self.k // 2)] * len(sources)
+        theta = self.threshold(rows)
+        keep: dict[str | None, int] = {}
+        for src in sources:
+            if src not in keep:
+                keep[src] = int(np.count_nonzero(self.reach(src) >= theta))  # q falls with depth
+        return [keep[s] for s in sources]
+
+
+def _at_least(depths: np.ndarray, k: int) -> np.ndarray:
+    """Per position j (0-based, < k): how many of ``depths`` are > j."""
+    hist = np.bincount(np.minimum(depths, k), minlength=k + 1)
+    return hist[::-1].cumsum()[::-1][1:]
