@@ -1,9 +1,11 @@
 """``rhymerl bench spec --engine vllm``: speculative methods inside vLLM on the same prompts.
 
 Each method gets a vLLM engine of its own; every engine generates epochs 1..E of the same
-prompts, each epoch with its own seeds (as RL draws them), and the history method drafts from
-its previous epoch's responses. In each epoch the engines run in turn (plain first), so each
-row's ``speedup`` is against plain vLLM timed in the same round. Per row: tokens per sequence per
+prompts, each epoch with its own seeds (as RL draws them), and the history methods draft from
+the prompts' earlier epochs. An epoch is timed in rounds, round r on a cohort of prompts of its
+own (so a prompt's epoch 1 is the first time any engine sees it, for every round); in each round
+the engines run in turn (plain first), so each row's ``speedup`` is against plain vLLM timed in
+the same round. Per row: tokens per sequence per
 forward (machine-independent), tokens/s, greedy identity against plain vLLM on the same prompts,
 and the p-value of the two-sample test (first tokens, lengths, rewards) against plain vLLM's samples
 of that epoch (:func:`rhymerl.sample_stats.same_distribution`; another seed, so the two samples are
@@ -14,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,22 +26,36 @@ from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.sample_stats import same_distribution
 
-# Every method gets the same draft budget (vLLM's num_speculative_tokens): 8.
+# Every method gets the same draft budget (vLLM's num_speculative_tokens): 8. ``history_ungated``:
+# HistoSpec drafting as far as the index is confident, without the cost cutoff (vllm/draft_cutoff.py).
 METHODS: dict[str, SpecConfig] = {
     "ngram": SpecConfig(method="ngram", index_draft_tokens=8, prompt_lookup_min=2, prompt_lookup_max=5),
     "suffix": SpecConfig(method="suffix", index_draft_tokens=8),
     "history": SpecConfig(method="history", index_draft_tokens=8),
+    "history_ungated": SpecConfig(method="history", index_draft_tokens=8, gate=False),
 }
 
 
-def _prompts(model: str, n: int, seed: int = 0) -> tuple[list[list[int]], list[str], Any, Any, list[str]]:
+@dataclass
+class Cohort:
+    """Prompts every engine sees for the first time at epoch 1 (so no method drafts from an
+    earlier round's responses to them, the trap of timing one prompt set round after round)."""
+
+    ids: list[list[int]]
+    keys: list[str]
+    tok: Any
+    task: Any
+    truths: list[str]
+
+
+def _prompts(model: str, n: int, seed: int = 0, tag: str = "p") -> Cohort:
     from rhymerl.tasks import get_task
     from rhymerl.tokenizer import encode_prompt, load_tokenizer
 
     tok, task, rng = load_tokenizer(model), get_task("arith"), random.Random(seed)
     problems = [task.make_problem(rng) for _ in range(n)]
-    return ([encode_prompt(tok, p.prompt) for p in problems], [f"p{i}" for i in range(n)], tok, task,
-            [p.ground_truth for p in problems])
+    return Cohort([encode_prompt(tok, p.prompt) for p in problems], [f"{tag}{i}" for i in range(n)], tok, task,
+                  [p.ground_truth for p in problems])
 
 
 def _epoch(engine, prompts, keys, params, seed: int) -> tuple[list[list[Any]], float]:
@@ -50,99 +67,123 @@ def _epoch(engine, prompts, keys, params, seed: int) -> tuple[list[list[Any]], f
 
 def run(json_path: str | None = None, *, quick: bool = False, model: str | None = None, prompts: int = 64,
         n: int = 8, max_tokens: int = 160, temperatures: tuple[float, ...] = (1.0,), epochs: int = 3,
-        methods: tuple[str, ...] | None = None, max_model_len: int = 256, rounds: int = 5) -> list[dict[str, Any]]:
+        methods: tuple[str, ...] | None = None, max_model_len: int = 256, rounds: int = 5,
+        top_p: float = 1.0) -> list[dict[str, Any]]:
     from rhymerl.bench.spec import _default_model
     from rhymerl.vllm.engine import VllmEngine
 
     model = model or _default_model()
     names = [m for m in (methods or tuple(METHODS)) if m != "none"]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise ValueError(f"bench spec --engine vllm: unknown methods {unknown} (valid: {['none'] + list(METHODS)})")
     if "suffix" in names and importlib.util.find_spec("arctic_inference") is None:
         print("suffix: skipped (vLLM's suffix method needs arctic-inference: pip install arctic-inference)")
         names.remove("suffix")
     if quick:
         prompts, epochs, rounds = min(prompts, 32), min(epochs, 2), 1
-    ids, keys, tok, task, truths = _prompts(model, prompts)
     batch = min(256, prompts * n)
     plain = VllmEngine(model, max_num_seqs=batch, max_model_len=max_model_len, seed=0)
     engines = {m: VllmEngine(model, max_num_seqs=batch, max_model_len=max_model_len, speculative=METHODS[m], seed=0)
                for m in names}
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
-    plain_greedy, _ = _epoch(plain, ids, keys, greedy, seed=0)
-    identical = {m: [s.tokens for g in _epoch(e, ids, keys, greedy, seed=0)[0] for s in g] ==
+    check = _prompts(model, prompts, seed=0, tag="g")  # prompts of their own: no round's cohort is seen early
+    plain_greedy, _ = _epoch(plain, check.ids, check.keys, greedy, seed=0)
+    identical = {m: [s.tokens for g in _epoch(e, check.ids, check.keys, greedy, seed=0)[0] for s in g] ==
                  [s.tokens for g in plain_greedy for s in g] for m, e in engines.items()}
     rows: list[dict[str, Any]] = []
-    past: dict[tuple, list] = {}  # (method, temperature, prompt key) -> its epochs' responses
-    for temperature in temperatures:
-        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens)
+    past: dict[tuple, list] = {}  # (method, prompt key) -> its epochs' responses
+    for t, temperature in enumerate(temperatures):
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        # Round r of every epoch runs cohort r: its epoch 1 is the first time any engine sees it.
+        cohorts = [_prompts(model, prompts, seed=1 + t * rounds + r, tag=f"t{t}r{r}p") for r in range(rounds)]
         for epoch in range(1, epochs + 1):
-            rows += _epoch_rounds(plain, engines, ids, keys, params, epoch, temperature, rounds, past,
-                                  (tok, task, truths), identical)
+            rows += _epoch_rounds(plain, engines, cohorts, params, epoch, past, identical)
     plain.close()
     for e in engines.values():
         e.close()
-    print_table(rows, ["engine", "method", "epoch", "temperature", "rounds", "accepted_per_forward", "tok_s",
-                       "speedup", "speedup_lo", "speedup_hi", "accuracy", "mean_len", "greedy_identical",
-                       "lossless_pvalue", "propose_share"])
+    for row in rows:
+        row.update(batch=batch, top_p=top_p)
+    print_table(rows, ["engine", "method", "batch", "epoch", "temperature", "top_p", "rounds", "accepted_per_forward",
+                       "drafted_per_forward", "tok_s", "speedup", "speedup_lo", "speedup_hi", "accuracy", "mean_len",
+                       "greedy_identical", "lossless_pvalue", "propose_share"])
     write_report(rows, json_path, {"model": model, "prompts": prompts, "n": n, "max_tokens": max_tokens,
-                                   "rounds": rounds})
+                                   "rounds": rounds, "top_p": top_p})
     return rows
 
 
-def _push(eng, m: str, keys: list[str], ids, temperature: float, past: dict) -> None:
-    """The history a trainer would push before this epoch (what earlier rounds recorded goes)."""
+def _push(eng, m: str, cohort: Cohort, past: dict) -> None:
+    """The history a trainer would push before this epoch: the prompts' earlier epochs."""
     kept = METHODS[m].history_epochs
-    eng.put_history([(k, p, past.get((m, temperature, k), [])[-kept:]) for k, p in zip(keys, ids)])
+    eng.put_history([(k, p, past.get((m, k), [])[-kept:]) for k, p in zip(cohort.keys, cohort.ids)])
 
 
-def _epoch_rounds(plain, engines: dict, ids, keys, params, epoch: int, temperature: float, rounds: int,
-                  past: dict, scoring: tuple, identical: dict) -> list[dict[str, Any]]:
-    """One epoch timed in ``rounds`` rounds: each round plain vLLM, then every method (in an
+def _epoch_rounds(plain, engines: dict, cohorts: list[Cohort], params, epoch: int, past: dict,
+                  identical: dict) -> list[dict[str, Any]]:
+    """One epoch timed in rounds, round r on cohort r: plain vLLM, then every method (in an
     order rotated by round), on fresh seeds; a method's speed-up is per round against that
-    round's plain run (the machine's drift falls on both), reported as the median and range."""
-    tok, task, truths = scoring
+    round's plain run (the machine's drift falls on both), reported as the median and range.
+    Tokens per forward and drafted tokens are summed over the rounds; the lossless test and
+    the accuracy are round 1's."""
+    temperature = params.temperature
     seed0 = 1000 * epoch + int(temperature * 100)
     names = list(engines)
     speed: dict[str, list[float]] = {m: [] for m in ["none"] + names}
     first: dict[str, tuple] = {}
     share: dict[str, float] = {}
-    for r in range(rounds):
+    counts: dict[str, list[int]] = {m: [0, 0, 0] for m in ["none"] + names}  # tokens, forwards, drafted
+    for r, cohort in enumerate(cohorts):
         seed = seed0 + 100_000 * r
-        base, base_s = _epoch(plain, ids, keys, params, seed=seed + 7)  # another seed: an independent sample
+        base, base_s = _epoch(plain, cohort.ids, cohort.keys, params, seed=seed + 7)  # an independent sample
         base_rate = sum(len(s.tokens) for g in base for s in g) / base_s
         speed["none"].append(1.0)
         first.setdefault("none", (base, base_s, base_rate))
+        _count(counts["none"], base, 0)
         for m in names[r % max(1, len(names)):] + names[: r % max(1, len(names))]:
             eng, ours = engines[m], METHODS[m].method == "history"
             if ours:
-                _push(eng, m, keys, ids, temperature, past)
-            before = eng.proposer_counters().get("propose_s", 0.0) if ours else 0.0
-            got, secs = _epoch(eng, ids, keys, params, seed=seed)
-            if ours:
-                share[m] = share.get(m, 0.0) + (eng.proposer_counters().get("propose_s", 0.0) - before) / secs / rounds
+                _push(eng, m, cohort, past)
+            before = eng.proposer_counters() if ours else {}
+            got, secs = _epoch(eng, cohort.ids, cohort.keys, params, seed=seed)
+            after = eng.proposer_counters() if ours else {}
+            share[m] = share.get(m, 0.0) + (after.get("propose_s", 0.0) - before.get("propose_s", 0.0)) / secs
+            _count(counts[m], got, after.get("drafted", 0) - before.get("drafted", 0))
             speed[m].append(sum(len(s.tokens) for g in got for s in g) / secs / base_rate)
             first.setdefault(m, (got, secs, base_rate))
+            if ours:  # these responses join the cohort's next epochs' drafts
+                for k, g in zip(cohort.keys, got):
+                    past.setdefault((m, k), []).append((epoch, [s.tokens for s in g], [None] * len(g)))
+    for m in names:
+        if METHODS[m].method == "history":
+            engines[m].begin(epoch + 1)
+    tok, task, truths = cohorts[0].tok, cohorts[0].task, cohorts[0].truths
     base, base_s, base_rate = first["none"]
     base_tokens = [s.tokens for g in base for s in g]
     base_rewards = _rewards(base, tok, task, truths)
     out = [_row("none", epoch, temperature, base, base_s, base_rate, True, None, tok, task, truths)]
     for m in names:
         got, secs, rate0 = first[m]
-        if METHODS[m].method == "history":  # round 1's responses join the next epochs' drafts
-            for k, g in zip(keys, got):
-                past.setdefault((m, temperature, k), []).append((epoch, [s.tokens for s in g], [None] * len(g)))
-            engines[m].begin(epoch + 1)
         tokens = [s.tokens for g in got for s in g]
         test = same_distribution(tokens, base_tokens, rewards_a=_rewards(got, tok, task, truths),
                                  rewards_b=base_rewards)
         out.append(_row(m, epoch, temperature, got, secs, rate0, identical[m], test.p, tok, task, truths))
-        out[-1]["propose_share"] = round(share[m], 3) if m in share else None
+        if METHODS[m].method == "history":
+            out[-1]["propose_share"] = round(share[m] / len(cohorts), 3)
+            out[-1]["drafted_per_forward"] = round(counts[m][2] / max(1, counts[m][1]), 2)
         out[-1].update(p_tokens=round(test.p_tokens, 4), p_length=round(test.p_length, 4),
                        p_reward=round(test.p_reward, 4))  # the parts of lossless_pvalue
     for row in out:
         got = sorted(speed[row["method"]])
-        row.update(rounds=rounds, speedup=round(float(np.median(got)), 3), speedup_lo=round(got[0], 3),
-                   speedup_hi=round(got[-1], 3))
+        c = counts[row["method"]]
+        row.update(rounds=len(cohorts), speedup=round(float(np.median(got)), 3), speedup_lo=round(got[0], 3),
+                   speedup_hi=round(got[-1], 3), accepted_per_forward=round(c[0] / max(1, c[1]), 3))
     return out
+
+
+def _count(acc: list[int], got, drafted: int) -> None:
+    acc[0] += sum(len(s.tokens) for g in got for s in g)
+    acc[1] += sum(s.forwards for g in got for s in g)
+    acc[2] += drafted
 
 
 def _rewards(got, tok, task, truths: list[str]) -> list[float]:
