@@ -214,25 +214,56 @@ def test_an_engine_that_dies_under_a_call_is_named_in_one_error():
         dog.close()
 
 
-@pytest.mark.parametrize("c0, c1, alpha, drafts", [
-    (0.010, 0.0002, 0.1, False),  # compute-bound (a CPU): mostly rejected drafts cost more than they give
-    (0.010, 0.0002, 0.9, True),  # ... mostly accepted ones pay
-    (0.002, 0.0004, 0.9, False),  # all cost per token (c1 B / step = 0.93): even 90 % acceptance does not
-    (0.030, 0.00002, 0.1, True),  # fixed costs dominate (a GPU's memory-bound decode): even poor drafts pay
-])
-def test_the_draft_gate_drafts_where_it_pays_on_this_engine(c0, c1, alpha, drafts):
-    from rhymerl.vllm.draft_gate import DraftGate
+def _drive_cutoff(c0: float, cr: float, cd: float, accept: dict, rows: int = 64, steps: int = 600):
+    """A DraftCutoff driven as the proposer drives it, on an engine whose step costs
+    ``c0 + cr B + cd D`` (5 % noise) and whose verification accepts each next token of a draft
+    from source ``s`` with probability ``accept[s]``; returns the lengths it keeps at the end."""
+    from rhymerl.vllm.draft_cutoff import DraftCutoff
 
-    gate, rng, rows = DraftGate(), random.Random(0), 64
-    drafted_steps = 0
-    for step in range(400):
-        d = 4 * rows if gate.decide(rows) else 0
-        drafted_steps += d > 0
-        accepted = sum(rng.random() < alpha for _ in range(d))
-        gate.observe_step(rows + d, (c0 + c1 * (rows + d)) * rng.uniform(0.95, 1.05))
-        gate.observe_drafts(rows, d, accepted, 0.0005 if d else 0.0)
-    share = drafted_steps / 400
-    assert (share > 0.9) if drafts else (share < 0.2), (share, gate.alpha, gate.cost_line())
+    cut, rng, k = DraftCutoff(8), random.Random(0), 8
+    sources = [list(accept)[i % len(accept)] for i in range(rows)]
+    b = rows
+    for step in range(steps):
+        b = rows if step % 40 < 30 else rng.randint(4, rows)  # full batches, then a drained tail
+        keep = cut.lengths(b, sources[:b])
+        accepted = []
+        for src, n in zip(sources[:b], keep):
+            a = 0
+            while a < n and rng.random() < accept[src]:
+                a += 1
+            accepted.append(a)
+        cut.observe_drafts(sources[:b], keep, accepted)
+        cut.observe_step(b, sum(keep), (c0 + cr * b + cd * sum(keep)) * rng.uniform(0.95, 1.05))
+    return cut, sources
+
+
+def test_the_draft_cutoff_drafts_as_far_as_tokens_pay_on_this_engine():
+    """Compute-bound (a CPU: a drafted token costs as much as a row): a source accepted 95 % of
+    the time drafts deep, one accepted 60 % not past the depth where q < theta; fixed costs
+    dominating (a GPU's memory-bound decode): both draft (nearly) their whole length; a drained tail of
+    a compute-bound engine drafts further than its full batch."""
+    cut, src = _drive_cutoff(0.002, 0.0002, 0.0002, {"good": 0.95, "poor": 0.6})
+    c0, cr, cd = cut.cost()
+    assert abs(cd - 0.0002) < 0.00005 and abs(cr - 0.0002) < 0.00005, (c0, cr, cd)
+    theta = cut.threshold(64)  # 0.0128 / (0.002 + 0.0128): about 0.86
+    assert 0.75 < theta < 0.95
+    full = dict(zip(src, cut.lengths(64, src)))
+    assert full["good"] >= 2 and full["poor"] == 0, full
+    tail = dict(zip(src[:4], cut.lengths(4, src[:4])))
+    assert tail["good"] >= full["good"] and tail["poor"] >= 1, (tail, full)  # theta(4) is about 0.29
+    cut, src = _drive_cutoff(0.030, 0.00002, 0.00002, {"good": 0.95, "poor": 0.6})
+    cheap = dict(zip(src, cut.lengths(64, src)))  # theta about 0.04: q = 0.6^6 still pays
+    assert cheap["good"] == 8 and cheap["poor"] >= 5, cheap
+
+
+def test_the_draft_cutoff_drafts_everything_until_it_has_measured_the_engine():
+    from rhymerl.vllm.draft_cutoff import DraftCutoff
+
+    cut = DraftCutoff(6)
+    assert cut.lengths(32, ["siblings", None]) == [6, 6] and cut.cost() is None  # all of it, or half
+    for _ in range(20):  # rows and drafts never vary apart: their costs cannot be told apart
+        cut.observe_step(32, 64, 0.01)
+    assert cut.cost() is None and {cut.lengths(32, ["siblings"])[0] for _ in range(2)} == {3, 6}
 
 
 def test_a_recorded_rollout_comes_after_the_prompts_stored_ones():
@@ -336,3 +367,59 @@ def test_a_damaged_or_foreign_segment_is_skipped_with_one_warning_and_the_folder
     shared.record("r", [1], [[6, 7]], 1)
     shared.tick(2.0)  # written, then the folder cut to its bound: the oldest first, its own last
     assert [p.name.endswith(shared.engine_id + ".hist.gz") for p in folder.iterdir()] == [True]
+
+
+def test_one_environment_variable_gives_histospec_to_a_vllm_program_that_cannot_pass_it(model_dir, monkeypatch):
+    """TRL's colocate mode and OpenRLHF build their engines with no speculative_config passed
+    through: RHYMERL_HISTOSPEC=K (the vllm.general_plugins entry point) gives an engine built
+    without one HistoSpec with K tokens, and RHYMERL_HISTOSPEC_CONFIG its additional_config; an
+    engine with a speculative_config of its own keeps it; bad values are refused by name."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rhymerl.vllm import env_switch
+
+    assert env_switch.from_environment({}) is None
+    for bad, name in (({"RHYMERL_HISTOSPEC": "eight"}, "RHYMERL_HISTOSPEC="),
+                      ({"RHYMERL_HISTOSPEC": "0"}, "RHYMERL_HISTOSPEC="),
+                      ({"RHYMERL_HISTOSPEC": "8", "RHYMERL_HISTOSPEC_CONFIG": "{history"}, "RHYMERL_HISTOSPEC_CONFIG"),
+                      ({"RHYMERL_HISTOSPEC": "8", "RHYMERL_HISTOSPEC_CONFIG": "[1]"}, "RHYMERL_HISTOSPEC_CONFIG")):
+        with pytest.raises(ValueError, match=name):
+            env_switch.from_environment(bad)
+    env = {"RHYMERL_HISTOSPEC": "6", "RHYMERL_HISTOSPEC_CONFIG": '{"history_dir": "/shared/h", "record": true}'}
+    own = SimpleNamespace(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, additional_config=None)
+    env_switch.apply(own, env)
+    assert own.speculative_config["method"] == "ngram" and own.additional_config is None
+    given = SimpleNamespace(speculative_config=None, additional_config={"rhymerl": {"record": False}, "other": 1})
+    env_switch.apply(given, env)
+    assert given.additional_config == {"rhymerl": {"history_dir": "/shared/h", "record": False}, "other": 1}
+
+    # Through vLLM itself: the plugin wraps how engine arguments become a config.
+    monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)  # undone after
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    env_switch.register()
+    cfg = EngineArgs(model=model_dir, max_model_len=128, max_num_seqs=8).create_engine_config()
+    assert cfg.speculative_config.method == "custom_class"
+    assert cfg.speculative_config.num_speculative_tokens == 6
+    assert cfg.additional_config["rhymerl"]["history_dir"] == "/shared/h"
+
+
+def test_verls_engine_kwargs_reach_the_proposer_through_vllms_command_line(model_dir):
+    """verl turns ``rollout.engine_kwargs.vllm`` into ``vllm serve`` flags (a dict as JSON): the
+    recipe's two keys become HistoSpec with its additional_config, parsed by vLLM's own parser."""
+    pytest.importorskip("vllm")
+    import json
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    engine_kwargs = {"speculative_config": {"method": "custom_class", "model": "rhymerl.vllm.HistoSpecProposer",
+                                            "num_speculative_tokens": 8},
+                     "additional_config": {"rhymerl": {"history_dir": "/shared/histospec"}}}
+    flags = [x for k, v in engine_kwargs.items() for x in (f"--{k}", json.dumps(v))]  # as verl writes them
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", model_dir, "--max-model-len", "128", *flags])
+    cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert (cfg.speculative_config.method, cfg.speculative_config.num_speculative_tokens) == ("custom_class", 8)
+    assert cfg.additional_config["rhymerl"] == {"history_dir": "/shared/histospec"}
