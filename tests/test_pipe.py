@@ -123,6 +123,25 @@ def test_group_time_prices_the_spread_of_a_group():
     assert bounds[0] == 0 and bounds[-1] == 3 and len(bounds) - 1 <= 2 and bounds == sorted(bounds)
 
 
+def test_group_time_of_any_run_equals_pricing_its_samples_one_by_one():
+    """The prefix sums kept per run of a prompt's samples give, for every cut [a, b) (inside runs
+    and across them), the same priced longest sample as multiplying the samples' CDFs one by one."""
+    from math import erf, sqrt
+
+    rng = np.random.default_rng(3)
+    d = LengthDists(rng.normal(5.0, 0.5, 6), rng.uniform(0.1, 0.6, 6), 0.2, 2000.0)
+    up = np.repeat(rng.permutation(6), rng.integers(1, 5, 6))
+    est = GroupTime(d, up, np.bincount(up, minlength=6), LINEAR, 4)
+    s = d.total_sigma
+    z = (np.log(est.grid)[None, :] - d.mu[:, None]) / s[:, None]
+    cdf = 0.5 * (1.0 + np.vectorize(erf)(z / sqrt(2.0)))
+    cdf[:, -1] = 1.0
+    for a in range(len(up)):
+        for b in range(a + 1, len(up) + 1):
+            log_p = np.log(np.maximum(cdf[up[a:b]], 1e-300)).sum(axis=0)
+            assert np.allclose(est._cdf_at(b) - est._cdf_at(a), log_p, atol=1e-9), (a, b)
+
+
 def test_log_error_sigma():
     assert log_error_sigma([100, 200], [100, 200]) == 0.0
     assert log_error_sigma([100, 100], [100 * np.e, 100 / np.e]) == pytest.approx(1.0)

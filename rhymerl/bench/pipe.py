@@ -36,12 +36,13 @@ from rhymerl.scheduling.placement_scores import PlacementScores
 
 N_SAMPLES = 8  # the default recipe's group size
 TRACE_SCALE_GPU = 64  # recorded arith lengths (tens of tokens) scaled to reasoning lengths for the GPU model
+FAST_CHANGE_STEPS = 40  # a trace of a run's first steps: the policy changes fast there, history predicts worse
 
 
 # --- traces --------------------------------------------------------------------------------------
-def trace_pairs(path: Path) -> tuple[list[tuple[list[int], list[int]]], float]:
+def trace_pairs(path: Path, last_step: int | None = None) -> tuple[list[tuple[list[int], list[int]]], float]:
     """(previous epoch's lengths, this epoch's lengths) for every prompt seen twice in a run's
-    traces, and the mean prompt length in tokens."""
+    traces (up to ``last_step``), and the mean prompt length in tokens."""
     last: dict[str, list[int]] = {}
     pairs = []
     prompt_lens: list[int] = []
@@ -49,6 +50,8 @@ def trace_pairs(path: Path) -> tuple[list[tuple[list[int], list[int]]], float]:
         if not line.strip():
             continue
         rec = json.loads(line)
+        if last_step is not None and rec.get("step", 0) > last_step:
+            break
         prompt_lens += rec["prompt_lens"]
         for key, lens in zip(rec["keys"], rec["lengths"]):
             if key in last:
@@ -500,6 +503,12 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
         arith_max = float(load_config().rollout.max_tokens)
         sources["arith_trace"] = SimSource(pairs, 1.0, cpu, prompt_len, arith_max)
         sources["arith_trace_x64"] = SimSource(pairs, float(TRACE_SCALE_GPU), GPU_8B_H100, 256.0, arith_max)
+        early = trace_pairs(trace_path, FAST_CHANGE_STEPS)[0] if trace_path is not None else []
+        if len(early) >= 64:  # the run's first steps, while the policy learns the format and lengths move
+            print(f"length traces: the first {FAST_CHANGE_STEPS} steps: {len(early)} pairs; rank correlation of "
+                  f"means {stat_correlations(early)['mean']:.3f}")
+            sources[f"arith_first{FAST_CHANGE_STEPS}_x64"] = SimSource(early, float(TRACE_SCALE_GPU), GPU_8B_H100,
+                                                                      256.0, arith_max)
     else:
         print("no length traces of the built-in task (no main-job run, no measured steps): its rows are skipped")
     rng = np.random.default_rng(1)

@@ -106,8 +106,15 @@ class GroupTime:
         within_var = mean ** 2 * np.expm1(dists.sigma ** 2)
         # the prompt-level error moves all its samples together: n times one sample's share
         shared_var = mean ** 2 * np.expm1(dists.error_sigma ** 2) * np.asarray(n, dtype=np.float64)
-        zero = np.zeros((1, grid))
-        self._cdf = np.vstack([zero, np.cumsum(log_cdf[up], axis=0)])
+        # Prefix sums of log P(L <= x) over the units, kept per run of one prompt's samples (units
+        # come prompt by prompt): the sum up to unit i is its run's start plus i's offset in the
+        # run times the prompt's row, so memory and time scale with prompts, not samples.
+        starts = np.flatnonzero(np.concatenate([[True], up[1:] != up[:-1]])) if len(up) else np.zeros(0, np.int64)
+        lengths = np.diff(np.concatenate([starts, [len(up)]]))
+        self._run_prompt_cdf = np.vstack([log_cdf[up[starts]], np.zeros((1, grid))])
+        self._run_cdf = np.vstack([np.zeros((1, grid)), np.cumsum(lengths[:, None] * log_cdf[up[starts]], axis=0)])
+        self._run_start = np.concatenate([starts, [len(up)]])
+        self._run_of = np.concatenate([np.repeat(np.arange(len(starts)), lengths), [len(starts)]])
         self._sum = np.concatenate([[0.0], np.cumsum(mean[up])])
         self._var = np.concatenate([[0.0], np.cumsum((within_var + shared_var)[up])])
         first = np.ones(len(up), dtype=bool)
@@ -116,10 +123,14 @@ class GroupTime:
         self._prompts = np.concatenate([[0], np.cumsum(first)])
         self.size = len(up)
 
+    def _cdf_at(self, i: int) -> np.ndarray:
+        r = self._run_of[i]
+        return self._run_cdf[r] + (i - self._run_start[r]) * self._run_prompt_cdf[r]
+
     def __call__(self, a: int, b: int) -> float:
         if b <= a:
             return 0.0
-        log_p = self._cdf[b] - self._cdf[a]
+        log_p = self._cdf_at(b) - self._cdf_at(a)
         longest = self.grid[min(int(np.searchsorted(log_p, self.log_q)), len(self.grid) - 1)]
         total = self._sum[b] - self._sum[a] + self.k * sqrt(max(0.0, self._var[b] - self._var[a]))
         count = b - a
@@ -131,12 +142,12 @@ class GroupTime:
 
 
 def smallest_budget(cut: Callable[[float], list[int] | None], lo: float, hi: float, fallback: list[int],
-                    iters: int = 50) -> list[int]:
+                    iters: int = 50, rtol: float = 1e-6) -> list[int]:
     """Binary search for the smallest budget whose ``cut`` fits (``cut`` returns None when it
-    needs more groups than there are workers); returns that cut."""
+    needs more groups than there are workers), to ``rtol`` of it; returns that cut."""
     best = cut(hi) or fallback
     for _ in range(iters):
-        if hi - lo <= 1e-6 * hi:
+        if hi - lo <= rtol * hi:
             break
         mid = (lo + hi) / 2
         c = cut(mid)
@@ -176,7 +187,10 @@ def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:
     if size == 0:
         return [0, 0]
     lo = max(est(i, i + 1) for i in range(0, size, max(1, size // 512)))
-    best = smallest_budget(lambda budget: cut_at_budget(est, size, R, budget), lo, est(0, size), [0, size], iters)
+    # 0.1 % of the budget: the priced times are estimates far coarser than that, and each halving
+    # costs a pass of binary searches over every group (planning time bounds this: <= 1 % of a step).
+    best = smallest_budget(lambda budget: cut_at_budget(est, size, R, budget), lo, est(0, size), [0, size], iters,
+                           rtol=1e-3)
     while len(best) - 1 < R:
         times = [est(best[g], best[g + 1]) for g in range(len(best) - 1)]
         g = int(np.argmax(times))
