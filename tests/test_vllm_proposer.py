@@ -214,18 +214,22 @@ def test_an_engine_that_dies_under_a_call_is_named_in_one_error():
         dog.close()
 
 
-def _drive_cutoff(c0: float, cr: float, cd: float, accept: dict, rows: int = 64, steps: int = 600):
+def _drive_cutoff(c0: float, cr: float, cd: float, accept: dict, rows: int = 64, steps: int = 600, cs: float = 0.0):
     """A DraftCutoff driven as the proposer drives it, on an engine whose step costs
-    ``c0 + cr B + cd D`` (5 % noise) and whose verification accepts each next token of a draft
-    from source ``s`` with probability ``accept[s]``; returns the lengths it keeps at the end."""
+    ``c0 + cr B + cd D`` (+ ``cs`` when it drafts; 5 % noise) and whose verification accepts each
+    next token of a draft from source ``s`` with probability ``accept[s]``; the index offers each
+    row 8 tokens, or fewer (a short match) on one row in four. Returns the cutoff, the rows'
+    sources and the share of steps after the first 100 that drafted."""
     from rhymerl.vllm.draft_cutoff import DraftCutoff
 
     cut, rng, k = DraftCutoff(8), random.Random(0), 8
     sources = [list(accept)[i % len(accept)] for i in range(rows)]
-    b = rows
+    drafting = 0
     for step in range(steps):
         b = rows if step % 40 < 30 else rng.randint(4, rows)  # full batches, then a drained tail
-        keep = cut.lengths(b, sources[:b])
+        offered = [k if rng.random() < 0.75 else rng.randint(1, k) for _ in range(b)]
+        keep = cut.lengths(b, sources[:b], offered)
+        assert all(0 <= n <= o for n, o in zip(keep, offered))
         accepted = []
         for src, n in zip(sources[:b], keep):
             a = 0
@@ -233,37 +237,55 @@ def _drive_cutoff(c0: float, cr: float, cd: float, accept: dict, rows: int = 64,
                 a += 1
             accepted.append(a)
         cut.observe_drafts(sources[:b], keep, accepted)
-        cut.observe_step(b, sum(keep), (c0 + cr * b + cd * sum(keep)) * rng.uniform(0.95, 1.05))
-    return cut, sources
+        d = sum(keep)
+        cut.observe_step(b, d, (c0 + cr * b + cd * d + (cs if d else 0.0)) * rng.uniform(0.95, 1.05))
+        drafting += step >= 100 and d > 0
+    return cut, sources, drafting / (steps - 100)
 
 
 def test_the_draft_cutoff_drafts_as_far_as_tokens_pay_on_this_engine():
     """Compute-bound (a CPU: a drafted token costs as much as a row): a source accepted 95 % of
     the time drafts deep, one accepted 60 % not past the depth where q < theta; fixed costs
-    dominating (a GPU's memory-bound decode): both draft (nearly) their whole length; a drained tail of
-    a compute-bound engine drafts further than its full batch."""
-    cut, src = _drive_cutoff(0.002, 0.0002, 0.0002, {"good": 0.95, "poor": 0.6})
-    c0, cr, cd = cut.cost()
-    assert abs(cd - 0.0002) < 0.00005 and abs(cr - 0.0002) < 0.00005, (c0, cr, cd)
+    dominating (a GPU's memory-bound decode): both draft (nearly) their whole length; a drained
+    tail of a compute-bound engine drafts further than its full batch."""
+    cut, src, _ = _drive_cutoff(0.002, 0.0002, 0.0002, {"good": 0.95, "poor": 0.6}, cs=0.0005)
+    c0, cr, cd, cs = cut.cost()
+    assert abs(cd - 0.0002) < 0.00005 and abs(cr - 0.0002) < 0.00005 and abs(cs - 0.0005) < 0.0003, (c0, cr, cd, cs)
     theta = cut.threshold(64)  # 0.0128 / (0.002 + 0.0128): about 0.86
     assert 0.75 < theta < 0.95
-    full = dict(zip(src, cut.lengths(64, src)))
+    cut.steps = 1  # past the probes
+    full = dict(zip(src, cut.lengths(64, src, [8] * 64)))
     assert full["good"] >= 2 and full["poor"] == 0, full
-    tail = dict(zip(src[:4], cut.lengths(4, src[:4])))
+    cut.steps = 1
+    tail = dict(zip(src[:4], cut.lengths(4, src[:4], [8] * 4)))
     assert tail["good"] >= full["good"] and tail["poor"] >= 1, (tail, full)  # theta(4) is about 0.29
-    cut, src = _drive_cutoff(0.030, 0.00002, 0.00002, {"good": 0.95, "poor": 0.6})
-    cheap = dict(zip(src, cut.lengths(64, src)))  # theta about 0.04: q = 0.6^6 still pays
+    cut, src, _ = _drive_cutoff(0.030, 0.00002, 0.00002, {"good": 0.95, "poor": 0.6})
+    cut.steps = 1
+    cheap = dict(zip(src, cut.lengths(64, src, [8] * 64)))  # theta about 0.04: q = 0.6^6 still pays
     assert cheap["good"] == 8 and cheap["poor"] >= 5, cheap
+
+
+@pytest.mark.parametrize("accept, cs, drafts", [
+    ({"poor": 0.3}, 0.004, False),  # what the kept drafts add does not pay the drafting step's fixed cost
+    ({"poor": 0.3}, 0.0, True),  # ... with no fixed cost, the tokens that pay are still drafted
+    ({"good": 0.9}, 0.004, True),  # ... and good drafts pay it
+])
+def test_a_step_drafts_only_when_its_drafts_pay_for_the_speculative_path(accept, cs, drafts):
+    """Never slower: a step whose kept drafts are expected to add less than the speculative
+    path's fixed cost plus their verification runs as plain decoding (the probes aside)."""
+    cut, _, share = _drive_cutoff(0.004, 0.00005, 0.00002, accept, cs=cs)
+    assert (share > 0.8) if drafts else (share < 0.15), (share, cut.cost())
 
 
 def test_the_draft_cutoff_drafts_everything_until_it_has_measured_the_engine():
     from rhymerl.vllm.draft_cutoff import DraftCutoff
 
     cut = DraftCutoff(6)
-    assert cut.lengths(32, ["siblings", None]) == [6, 6] and cut.cost() is None  # all of it, or half
+    first = [cut.lengths(32, ["siblings", None], [6, 4]) for _ in range(4)]  # nothing, whole, half, whole
+    assert first == [[6, 4], [3, 3], [6, 4], [0, 0]] and cut.cost() is None
     for _ in range(20):  # rows and drafts never vary apart: their costs cannot be told apart
         cut.observe_step(32, 64, 0.01)
-    assert cut.cost() is None and {cut.lengths(32, ["siblings"])[0] for _ in range(2)} == {3, 6}
+    assert cut.cost() is None
 
 
 def test_a_recorded_rollout_comes_after_the_prompts_stored_ones():

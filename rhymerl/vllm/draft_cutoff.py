@@ -1,21 +1,27 @@
-"""How far each row drafts on a vLLM step, from this engine's measured costs and acceptance (the
-native gate's idea, fitted to what a ``custom_class`` proposer sees of vLLM's step).
+"""How far each row drafts on a vLLM step, and whether the step drafts at all, from this engine's
+measured costs and acceptance (the native gate's idea, fitted to what a ``custom_class`` proposer
+sees of vLLM's step).
 
-A step with ``B`` rows verifying ``D`` drafted tokens costs ``c0 + cr * B + cd * D`` seconds
-(fitted online by decayed least squares from the time between consecutive ``propose`` calls).
-Plain decoding makes a token for ``(c0 + cr * B) / B`` seconds; a drafted token costs ``cd`` and
-yields the probability ``q`` that verification reaches and accepts it. It pays when
+A step with ``B`` rows verifying ``D`` drafted tokens costs ``c0 + cr * B + cd * D`` seconds, plus
+``cs`` whenever ``D > 0`` (what the speculative path adds to a step: the rejection sampler, the
+draft bookkeeping), fitted online by decayed least squares from the time between consecutive
+``propose`` calls. Plain decoding makes a token for ``(c0 + cr * B) / B`` seconds; a drafted token
+costs ``cd`` and yields the probability ``q`` that verification reaches and accepts it. It pays
+when
 
     q > theta(B) = cd * B / (c0 + cr * B)
 
-so on a compute-bound step (a CPU, a large GPU batch: ``cd`` near a row's share of the step) only
-near-certain tokens are drafted, and in a drained tail or a memory-bound GPU decode (``c0`` large)
-almost any are. ``q`` at draft position ``j`` is the product of the acceptance measured at positions
-``1..j`` for drafts from the same source (siblings, the prompt's history, every prompt's), so a
-row's draft ends where its source's tokens stop paying. Until the cost is fitted rows draft their
-whole length and half of it on alternate steps (so drafted tokens vary apart from rows, and their
-costs can be told apart); one step in ``probe_every`` drafts whole lengths, so acceptance deep in
-drafts stays measured when the cutoff has been short.
+so on a compute-bound step (a CPU, a large GPU batch) only near-certain tokens are drafted, and in
+a drained tail or a memory-bound GPU decode (``c0`` large) almost any are. ``q`` at draft position
+``j`` is the product of the acceptance measured at positions ``1..j`` for drafts from the same
+source (siblings, the prompt's history, every prompt's). The step then drafts only if the tokens
+its kept drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs``
+plus their verification: otherwise it runs as plain decoding would.
+
+Until the costs are fitted, steps cycle through drafting nothing, whole lengths and half lengths
+(so rows, drafted tokens and the drafting step's fixed cost vary apart and can be told apart);
+afterwards one step in ``probe_every`` drafts whole lengths and one drafts nothing, so acceptance
+deep in drafts and the plain step's cost stay measured.
 """
 from __future__ import annotations
 
@@ -29,9 +35,9 @@ class DraftCutoff:
         self.decay = decay
         self.probe_every = probe_every
         self.steps = 0
-        # decayed sums for the cost fit: X^T X over [1, B, D] and X^T y
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
+        # decayed sums for the cost fit: X^T X over [1, B, D, D > 0] and X^T y
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
         self._n = 0.0
         # per source, per draft position: decayed counts of drafts that reached it and that it accepted
         self._prior = (prior_accept * prior_weight, prior_weight)
@@ -41,7 +47,7 @@ class DraftCutoff:
     # --- what the proposer measures ------------------------------------------------------------
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
         """One decode step (no prefill in it): its rows, the drafted tokens it verified, its time."""
-        x = np.array([1.0, float(rows), float(drafted)])
+        x = np.array([1.0, float(rows), float(drafted), float(drafted > 0)])
         d = self.decay
         self._xx = d * self._xx + np.outer(x, x)
         self._xy = d * self._xy + x * seconds
@@ -71,20 +77,21 @@ class DraftCutoff:
         return self._reached[src], self._accepted[src]
 
     # --- what it decides -------------------------------------------------------------------------
-    def cost(self) -> tuple[float, float, float] | None:
-        """(c0, cr, cd) in seconds, or None while the steps seen cannot separate them."""
+    def cost(self) -> tuple[float, float, float, float] | None:
+        """(c0, cr, cd, cs) in seconds, or None while the steps seen cannot separate them."""
         if self._n < 8:
             return None
         xx = self._xx / self._n
-        m = xx[0, 1:]  # mean rows, mean drafted tokens
+        m = xx[0, 1:]  # means of rows, drafted tokens, drafting steps
         cov = xx[1:, 1:] - np.outer(m, m)
         var = np.diag(cov)
         if var.min() <= 1e-9 * max(1.0, float(m.max()) ** 2):
-            return None  # rows or drafts never varied
-        if 1.0 - cov[0, 1] ** 2 / (var[0] * var[1]) < 0.02:
+            return None  # one of them never varied
+        corr = cov / np.sqrt(np.outer(var, var))
+        if np.linalg.eigvalsh(corr).min() < 0.02:
             return None  # they moved together: their costs cannot be told apart
-        c0, cr, cd = np.linalg.solve(xx, self._xy / self._n)
-        return float(c0), float(max(cr, 0.0)), float(max(cd, 0.0))
+        c0, cr, cd, cs = np.linalg.solve(xx, self._xy / self._n)
+        return float(c0), float(max(cr, 0.0)), float(max(cd, 0.0)), float(max(cs, 0.0))
 
     def threshold(self, rows: int) -> float:
         """The acceptance probability a drafted token needs to pay on a step of ``rows`` rows
@@ -92,7 +99,7 @@ class DraftCutoff:
         fit = self.cost()
         if fit is None or rows <= 0:
             return 0.0
-        c0, cr, cd = fit
+        c0, cr, cd, _ = fit
         plain = c0 + cr * rows
         return 1.0 if plain <= 0 else cd * rows / plain
 
@@ -103,19 +110,29 @@ class DraftCutoff:
         pa, pw = self._prior
         return np.cumprod((acc + pa) / (reached + pw))
 
-    def lengths(self, rows: int, sources: list[str | None]) -> list[int]:
-        """The most tokens each row's draft (from ``sources[i]``) should keep on this step."""
+    def lengths(self, rows: int, sources: list[str | None], available: list[int]) -> list[int]:
+        """How many of its ``available`` draft tokens each row (drafting from ``sources[i]``)
+        keeps on this step; all zero when the step should run as plain decoding."""
         self.steps += 1
-        if self.steps % self.probe_every == 0:
-            return [self.k] * len(sources)
-        if self.cost() is None:  # not measured yet: every other step half as far, so drafts vary apart from rows
-            return [self.k if self.steps % 2 else max(1, self.k // 2)] * len(sources)
+        k = self.k
+        fit = self.cost()
+        phase = self.steps % (4 if fit is None else self.probe_every)
+        if phase == 0:  # a plain step: the cost without drafting stays measured
+            return [0] * len(available)
+        if phase == 1:  # whole lengths: acceptance deep in drafts stays measured
+            return list(available)
+        if fit is None:  # not measured yet: half lengths too, so drafted tokens vary apart from rows
+            return [min(a, max(1, k // 2)) for a in available] if phase == 2 else list(available)
+        c0, cr, cd, cs = fit
         theta = self.threshold(rows)
-        keep: dict[str | None, int] = {}
-        for src in sources:
-            if src not in keep:
-                keep[src] = int(np.count_nonzero(self.reach(src) >= theta))  # q falls with depth
-        return [keep[s] for s in sources]
+        reach = {src: self.reach(src) for src in set(sources)}
+        keep = [min(a, int(np.count_nonzero(reach[src] >= theta))) for src, a in zip(sources, available)]
+        gain = sum(float(reach[src][:n].sum()) for src, n in zip(sources, keep) if n)  # expected accepted tokens
+        plain_per_token = (c0 + cr * rows) / max(1, rows)
+        drafted = sum(keep)
+        if drafted == 0 or gain * plain_per_token <= cs + cd * drafted:
+            return [0] * len(available)
+        return keep
 
 
 def _at_least(depths: np.ndarray, k: int) -> np.ndarray:

@@ -218,7 +218,7 @@ class HistoSpecProposer:
             return out
         lengths, toks = batch.lengths, batch.tokens.tolist()
         sources = self.controller.row_sources()
-        keep = self.cutoff.lengths(len(req_ids), sources) if self.cutoff is not None else lengths
+        keep = self.cutoff.lengths(len(req_ids), sources, lengths) if self.cutoff is not None else lengths
         safe_at_temperature = self._sampler_is_correct()
         drafted = []
         for b, i in enumerate(rows):
