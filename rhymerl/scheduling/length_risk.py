@@ -187,10 +187,9 @@ def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:
     if size == 0:
         return [0, 0]
     lo = max(est(i, i + 1) for i in range(0, size, max(1, size // 512)))
-    # 0.1 % of the budget: the priced times are estimates far coarser than that, and each halving
-    # costs a pass of binary searches over every group (planning time bounds this: <= 1 % of a step).
-    best = smallest_budget(lambda budget: cut_at_budget(est, size, R, budget), lo, est(0, size), [0, size], iters,
-                           rtol=1e-3)
+    # To 1e-6 of the budget: the priced times are a proxy, and cuts from a budget 0.1 % off can
+    # lengthen the simulated step by percents (docs/design.md, HistoPipe).
+    best = smallest_budget(lambda budget: cut_at_budget(est, size, R, budget), lo, est(0, size), [0, size], iters)
     while len(best) - 1 < R:
         times = [est(best[g], best[g + 1]) for g in range(len(best) - 1)]
         g = int(np.argmax(times))
