@@ -106,19 +106,20 @@ class GroupTime:
         within_var = mean ** 2 * np.expm1(dists.sigma ** 2)
         # the prompt-level error moves all its samples together: n times one sample's share
         shared_var = mean ** 2 * np.expm1(dists.error_sigma ** 2) * np.asarray(n, dtype=np.float64)
-        # Prefix sums of log P(L <= x) over the units, kept per run of one prompt's samples (units
-        # come prompt by prompt): the sum up to unit i is its run's start plus i's offset in the
-        # run times the prompt's row, so memory and time scale with prompts, not samples.
-        starts = np.flatnonzero(np.concatenate([[True], up[1:] != up[:-1]])) if len(up) else np.zeros(0, np.int64)
-        lengths = np.diff(np.concatenate([starts, [len(up)]]))
-        self._run_prompt_cdf = np.vstack([log_cdf[up[starts]], np.zeros((1, grid))])
-        self._run_cdf = np.vstack([np.zeros((1, grid)), np.cumsum(lengths[:, None] * log_cdf[up[starts]], axis=0)])
-        self._run_start = np.concatenate([starts, [len(up)]])
-        self._run_of = np.concatenate([np.repeat(np.arange(len(starts)), lengths), [len(starts)]])
+        first = np.ones(len(up), dtype=bool)  # where a run of one prompt's samples starts
+        first[1:] = up[1:] != up[:-1]
+        # Prefix sums of log P(L <= x) over the units, kept per run (units come prompt by prompt):
+        # the sum up to unit i is its run's start plus i's offset in the run times the prompt's
+        # row, so memory and time scale with prompts, not samples.
+        starts = np.flatnonzero(first)
+        lengths = np.diff(np.append(starts, len(up)))
+        rows = log_cdf[up[starts]]
+        self._run_prompt_cdf = np.vstack([rows, np.zeros((1, grid))])
+        self._run_cdf = np.vstack([np.zeros((1, grid)), np.cumsum(lengths[:, None] * rows, axis=0)])
+        self._run_start = np.append(starts, len(up))
+        self._run_of = np.append(np.repeat(np.arange(len(starts)), lengths), len(starts))
         self._sum = np.concatenate([[0.0], np.cumsum(mean[up])])
         self._var = np.concatenate([[0.0], np.cumsum((within_var + shared_var)[up])])
-        first = np.ones(len(up), dtype=bool)
-        first[1:] = up[1:] != up[:-1]
         self._first = first
         self._prompts = np.concatenate([[0], np.cumsum(first)])
         self.size = len(up)

@@ -96,12 +96,7 @@ class DraftCutoff:
     def threshold(self, rows: int) -> float:
         """The acceptance probability a drafted token needs to pay on a step of ``rows`` rows
         (0: draft everything, while the cost is not yet measured)."""
-        fit = self.cost()
-        if fit is None or rows <= 0:
-            return 0.0
-        c0, cr, cd, _ = fit
-        plain = c0 + cr * rows
-        return 1.0 if plain <= 0 else cd * rows / plain
+        return _theta(self.cost(), rows)
 
     def reach(self, src: str | None) -> np.ndarray:
         """``q`` per draft position for ``src``'s drafts: the chance verification accepts every
@@ -124,7 +119,7 @@ class DraftCutoff:
         if fit is None:  # not measured yet: half lengths too, so drafted tokens vary apart from rows
             return [min(a, max(1, k // 2)) for a in available] if phase == 2 else list(available)
         c0, cr, cd, cs = fit
-        theta = self.threshold(rows)
+        theta = _theta(fit, rows)
         reach = {src: self.reach(src) for src in set(sources)}
         keep = [min(a, int(np.count_nonzero(reach[src] >= theta))) for src, a in zip(sources, available)]
         gain = sum(float(reach[src][:n].sum()) for src, n in zip(sources, keep) if n)  # expected accepted tokens
@@ -133,6 +128,15 @@ class DraftCutoff:
         if drafted == 0 or gain * plain_per_token <= cs + cd * drafted:
             return [0] * len(available)
         return keep
+
+
+def _theta(fit: tuple[float, float, float, float] | None, rows: int) -> float:
+    """``cd * B / (c0 + cr * B)`` for a fit (0 without one)."""
+    if fit is None or rows <= 0:
+        return 0.0
+    c0, cr, cd, _ = fit
+    plain = c0 + cr * rows
+    return 1.0 if plain <= 0 else cd * rows / plain
 
 
 def _at_least(depths: np.ndarray, k: int) -> np.ndarray:

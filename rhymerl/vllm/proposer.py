@@ -159,10 +159,8 @@ class HistoSpecProposer:
 
     def counters(self) -> dict[str, float]:
         c = self.controller
-        fit = self.cutoff.cost() if self.cutoff is not None else None
-        step_cost = dict(zip(("step_s", "row_s", "draft_token_s"), fit)) if fit is not None else {}
         return {"drafted": sum(c.drafted_by_source.values()), "accepted": sum(c.accepted_by_source.values()),
-                "propose_s": self.propose_s, **step_cost, **c.counters()}
+                "propose_s": self.propose_s, **c.counters()}
 
     def live_state(self) -> dict[str, int]:
         """Sizes of everything this proposer holds per request (a soak test reads them)."""
@@ -222,7 +220,7 @@ class HistoSpecProposer:
         safe_at_temperature = self._sampler_is_correct()
         drafted = []
         for b, i in enumerate(rows):
-            d = min(lengths[b], keep[b]) if safe_at_temperature or seqs[b].params.temperature == 0 else 0
+            d = keep[b] if safe_at_temperature or seqs[b].params.temperature == 0 else 0
             out[i] = toks[b][:d]
             drafted.append(d)
         self._last = (seqs, [req_ids[i] for i in rows], drafted, sources)
