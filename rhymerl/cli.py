@@ -110,7 +110,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from rhymerl.bench.pipe import run
 
         run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation,
-            measured=not ns.simulated_only)
+            measured=not ns.simulated_only, engine=ns.engine, rounds=ns.reps)
     elif ns.which == "train":
         from rhymerl.bench.train import run
 
@@ -200,7 +200,8 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     b.add_argument("--engine", choices=["native", "vllm"], default="native",
-                   help="spec: the engine the methods run in (vllm: ngram, suffix, history inside vLLM)")
+                   help="spec: the engine the methods run in (vllm: ngram, suffix, history inside vLLM); "
+                        "pipe: the measured workers' engine")
     b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
     b.add_argument("--prompts", type=int, help="spec: how many prompts (default 32)")
     b.add_argument("--gate", choices=["both", "on", "off"], default="both",
@@ -212,7 +213,8 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
     b.add_argument("--top-p", type=float, help="spec --engine vllm: nucleus sampling's top-p (default 1.0)")
     b.add_argument("--epochs", help="spec: the measured epochs, comma-separated (default 1,3)")
-    b.add_argument("--reps", type=int, help="spec: timed rounds (native: of the gated rows; vllm: of every row), methods in turn (default 5)")
+    b.add_argument("--reps", type=int, help="spec: timed rounds (native: of the gated rows; vllm: of every row), methods in turn (default 5); "
+                        "pipe: measured rounds, policies in turn (default 5)")
     b.add_argument("--variants", help="e2e: comma-separated subset (the baseline and what they are compared "
                                       "with always run)")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")

@@ -98,7 +98,7 @@ class RolloutSection:
     backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
     schedule: str = "histopipe"  # even | least_loaded | histopipe
     length_stat: str = "mean"  # how a prompt's previous lengths predict its next: mean | median | max | p75
-    # histopipe: least_loaded | lpt_samples | lpt | contiguous (the paper's) | spread (priced distributions) |
+    # histopipe: even | least_loaded | lpt_samples | lpt | contiguous (the paper's) | spread (priced distributions) |
     # stripe | auto (the one that finished first on the recent steps' actual lengths: placement_scores.py)
     placement: str = "auto"
     tail_fraction: float = 0.1  # tail migration once at most this share of samples is unfinished

@@ -599,6 +599,22 @@ def _rhyming_pairs(count: int, n: int, rng: np.random.Generator) -> list:
     return list(zip(draw(typical), draw(typical * rng.lognormal(0, 0.03, size=count))))
 
 
+def test_a_placement_reading_predictions_must_beat_the_better_knowledge_free_deal():
+    """Least-loaded's deal is where HistoPipe starts; even split's (siblings together) replaces it
+    when it finished first, and a placement that reads the predictions is used only when it
+    finished clearly faster than the better of the two."""
+    from rhymerl.scheduling.placement_scores import PlacementScores
+
+    learnt = PlacementScores(scores={"least_loaded+static": 1.03, "even+static": 1.0, "spread+migrate": 0.99})
+    assert learnt.choose() == ("even", False)
+    learnt.scores["spread+migrate"] = 0.97
+    assert learnt.choose() == ("spread", True)
+    learnt.scores["even+static"] = 1.05
+    assert learnt.choose() == ("spread", True)
+    learnt.scores["spread+migrate"] = 1.02
+    assert learnt.choose() == ("least_loaded", False)
+
+
 @pytest.mark.parametrize("kind", ["uninformative", "rhyming", "reasoning", "heavy_tail"])
 def test_histopipe_is_never_behind_least_loaded(kind):
     """HistoPipe's placement as the coordinator chooses it (learnt from earlier steps' actual

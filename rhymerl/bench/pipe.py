@@ -17,6 +17,7 @@ Two tables from one invocation:
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -321,12 +322,13 @@ def worker_cost_factor(co: Any, probe: list, R: int, cost: StepCost, cores: int,
     return t_all / sim.makespan_s, t_all / t_alone
 
 
-def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, reps: int,
-                  modes: tuple[bool, ...] = (False,)) -> tuple[list[dict], tuple[list, float]]:
+def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, rounds: int,
+                  modes: tuple[bool, ...] = (False,), engine: str = "native") -> tuple[list[dict], tuple[list, float]]:
     """Rollout time of ``steps`` real steps of ``batch`` prompts x 8 samples (the main job's
     step) per policy, after an epoch that gave every prompt a history. Each step runs once
-    untimed, then ``reps`` rounds of every policy in turn (best time kept). Also returns this
-    bench's (previous, next) length pairs and mean prompt length, a trace of its own.
+    untimed, then ``rounds`` rounds of every policy in turn; a policy's makespan is the median
+    over rounds of its time per step, with the range. Also returns this bench's (previous,
+    next) length pairs and mean prompt length, a trace of its own.
 
     ``core_utilisation`` is the CPU time of the workers and this process over cores x wall
     time: where even split's is near 1, the cores are already busy and no schedule that does
@@ -336,7 +338,12 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     (HistoSpec, the main job's settings), as in the system's real configuration; the
     simulator has no model of speculation, so those rows carry no prediction (and the
     calibration that serves it is skipped). Both modes share the epoch and the true lengths:
-    speculation must not change a token, and the bench checks it does not."""
+    speculation must not change a token, and the bench checks it does not.
+
+    ``engine``: ``native`` (rhymerl's engine in worker processes) or ``vllm`` (one vLLM engine
+    per worker). vLLM's numerics follow its batch, so a schedule may change a few tokens
+    there: the rows count the samples that differ instead of refusing them, and carry no
+    simulation (the curve is rhymerl's engine's)."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
     from rhymerl.distribution import RolloutCoordinator, RolloutRequest, WorkerSpec, make_pool
@@ -352,6 +359,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     all_rows = task_splits(cfg.data, cfg.seed)[0]
     rows_data = all_rows[: steps * batch]
     r = cfg.rollout
+    exact = engine == "native"  # the same seeds give the same tokens under any schedule
 
     def requests(rows: list, step: int) -> list:
         # Only the first epoch enters the history: every policy must plan and draft from the
@@ -378,14 +386,14 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     for speculation, R in [(m, R) for m in modes for R in worker_counts]:
         if R == worker_counts[0]:
             mode = "on (drafts from the first epoch)" if speculation else "off"
-            print(f"measured: local worker processes, speculation {mode}, same prompts/seeds/weights for every policy",
-                  flush=True)
+            where = "local worker processes" if engine == "native" else "one vLLM engine per worker"
+            print(f"measured: {where}, speculation {mode}, same prompts/seeds/weights for every policy", flush=True)
         speculative = worker_specs(cfg, model)[0].speculative if speculation else None
         threads = max(1, cores // R)
         # timed right before the runs it predicts: this machine's speed drifts within a bench
         base_cost = profile_now(model, threads)
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i,
-                            speculative=speculative) for i in range(R)]
+                            speculative=speculative, engine=engine) for i in range(R)]
         pool = make_pool("local", specs, named)
         co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05)
         warm = requests(rows_data[: 4 * R], 0)
@@ -393,13 +401,16 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
         co.history = shipped
         co.rollout(warm, 0, plan=co.plan(warm, 0, policy="even"))
         sim_cost = base_cost
-        if not speculation:  # one scale for the simulator's curve, measured on prompts the steps do not use
+        simulated = exact and not speculation
+        if simulated:  # one scale for the simulator's curve, measured on prompts the steps do not use
             factor, together = worker_cost_factor(co, probe, R, base_cost, cores, threads)
             sim_cost = co.cost = base_cost.scaled(factor, f"{base_cost.name} x{factor:.2f} (worker processes)")
             print(f"  R={R}: {threads} thread(s) per worker; probe: all {R} at once x{together:.2f} the time of "
                   f"one alone, x{factor:.2f} the in-process curve's with {R} sharing {cores} cores", flush=True)
         policies = ("even", "least_loaded", "histopipe", "oracle")
-        acc = {p: {"step_s": 0.0, "busy": 0.0, "cpu": 0.0, "sim": 0.0, "moved": 0} for p in policies}
+        chosen: collections.Counter[str] = collections.Counter()
+        acc = {p: {"round_s": [0.0] * rounds, "busy": 0.0, "cpu": 0.0, "sim": 0.0, "moved": 0, "tokens": 0,
+                   "differ": 0} for p in policies}
         for i, reqs in enumerate(batches):
             co.history = store
             warm_plan = co.plan(reqs, 2 + i, policy="even")
@@ -410,66 +421,78 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
             if len(truth) <= i:
                 truth.append(lengths)
                 pairs += [(store.lengths(q.prompt_key), lens) for q, lens in zip(reqs, lengths)]
-            elif lengths != truth[i]:
+            elif lengths != truth[i] and exact:
                 raise AssertionError("the same seeds gave other lengths")
             co.history = store
-            plans = {p: co.plan(reqs, 2 + i, policy=p, true_lengths=truth[i]) for p in policies}
+            name, moves = co.placements.choose()  # what histopipe's plan below uses (learnt from earlier steps)
+            chosen[f"{name} + {'migration' if moves else 'static'}"] += 1
+            plans = {p: co.plan(reqs, 2 + i, policy=p, true_lengths=lengths) for p in policies}
             co.history = shipped
-            best: dict[str, tuple[float, float, float]] = {}
             # Policies take turns, in an order that rotates by step and round, so the machine's
             # drift falls on all of them alike.
-            for rnd in range(reps):
+            for rnd in range(rounds):
                 k = (i + rnd) % len(policies)
                 for policy in policies[k:] + policies[:k]:
+                    a = acc[policy]
                     b0, m0 = sum(co.busy_s.values()), co.pipe.migrations + co.pipe.steals
                     c0 = _cpu_seconds(pool)
                     t = time.perf_counter()
                     outs = co.rollout(reqs, 2 + i, plan=plans[policy])
                     dt = time.perf_counter() - t
                     c1 = _cpu_seconds(pool)
-                    acc[policy]["moved"] += co.pipe.migrations + co.pipe.steals - m0
-                    if [[c.token_ids for c in o.outputs] for o in outs] != tokens:
+                    got = [[c.token_ids for c in o.outputs] for o in outs]
+                    differ = sum(x != y for g, h in zip(got, tokens) for x, y in zip(g, h))
+                    if differ and exact:
                         raise AssertionError(f"{policy}: the same seeds gave other tokens")
-                    if policy not in best or dt < best[policy][0]:
-                        best[policy] = (dt, sum(co.busy_s.values()) - b0,
-                                        c1 - c0 if c0 is not None and c1 is not None else float("nan"))
-            for policy in policies:
-                a, (dt, busy, cpu) = acc[policy], best[policy]
-                a["step_s"] += dt
-                a["busy"] += busy
-                a["cpu"] += cpu
-                if not speculation:
-                    a["sim"] += simulate(plans[policy], truth[i], [len(q.prompt_ids) for q in reqs], sim_cost,
-                                         max_num_seqs=256, cores=cores, threads=threads).makespan_s
-        tokens_per_step = sum(sum(map(sum, t)) for t in truth) / steps
-        results: dict[str, dict] = {
-            p: {"step_s": a["step_s"] / steps, "bubble_fraction": max(0.0, 1 - a["busy"] / (R * a["step_s"])),
-                "core_utilisation": a["cpu"] / (cores * a["step_s"]), "simulated_s": a["sim"] / steps,
-                "moved": a["moved"] // reps, "tokens": tokens_per_step}
-            for p, a in acc.items()}
+                    a["round_s"][rnd] += dt
+                    a["busy"] += sum(co.busy_s.values()) - b0
+                    a["cpu"] += c1 - c0 if c0 is not None and c1 is not None else float("nan")
+                    a["moved"] += co.pipe.migrations + co.pipe.steals - m0
+                    a["tokens"] += sum(len(x) for g in got for x in g)
+                    a["differ"] += differ
+            if simulated:
+                for policy in policies:
+                    acc[policy]["sim"] += simulate(plans[policy], lengths, [len(q.prompt_ids) for q in reqs], sim_cost,
+                                                   max_num_seqs=256, cores=cores, threads=threads).makespan_s
+        results = {p: _measured_result(a, steps, rounds, R, cores) for p, a in acc.items()}
         pool.close()
         for policy, res in results.items():
-            sim = {} if speculation else {"simulated_s": res["simulated_s"],
-                                          "sim_error": res["simulated_s"] / res["step_s"] - 1}
-            out_rows.append({"source": "measured", "trace": "arith", "cost": sim_cost.name, "workers": R,
-                             "speculation": speculation,
-                             "prompts": batch, "samples": N_SAMPLES, "steps": steps, "policy": policy,
-                             "makespan_s": res["step_s"], "bubble_fraction": res["bubble_fraction"],
-                             "core_utilisation": res["core_utilisation"],
-                             "tok_s": res["tokens"] / res["step_s"], "moved": res["moved"],
+            sim = {} if not simulated else {"simulated_s": res["simulated_s"],
+                                            "sim_error": res["simulated_s"] / res["step_s"] - 1}
+            out_rows.append({"source": "measured", "trace": "arith", "engine": engine, "cost": sim_cost.name,
+                             "workers": R, "speculation": speculation, "prompts": batch, "samples": N_SAMPLES,
+                             "steps": steps, "rounds": rounds, "policy": policy, "makespan_s": res["step_s"],
+                             "placement": ", ".join(f"{k} x{v}" for k, v in chosen.most_common())
+                             if policy == "histopipe" else "",
+                             "makespan_lo_s": res["lo_s"], "makespan_hi_s": res["hi_s"],
+                             "bubble_fraction": res["bubble_fraction"], "core_utilisation": res["core_utilisation"],
+                             "tok_s": res["tok_s"], "moved": res["moved"], "samples_differ": res["differ"],
                              "vs_even": results["even"]["step_s"] / res["step_s"],
+                             "vs_least_loaded": res["step_s"] / results["least_loaded"]["step_s"],
                              "measured_s": res["step_s"], **sim})
-        print(f"  measured R={R} (rollout s per step): " + ", ".join(
-            f"{p} {results[p]['step_s']:.3f}" + ("" if speculation else f" (sim {results[p]['simulated_s']:.3f})")
-            for p in results), flush=True)
+        print(f"  measured R={R} (rollout s per step, median [min, max] of {rounds} rounds): " + ", ".join(
+            f"{p} {results[p]['step_s']:.3f} [{results[p]['lo_s']:.3f}, {results[p]['hi_s']:.3f}]"
+            + (f" (sim {results[p]['simulated_s']:.3f})" if simulated else "") for p in results), flush=True)
         util = results["even"]["core_utilisation"]
-        print(f"  measured R={R}: even split keeps {util:.0%} of the {cores} cores busy: filling the rest, a "
-              f"schedule doing the same work could be at most {1 / util:.2f}x faster", flush=True)
+        if util == util:  # NaN where the engine's processes cannot be read
+            print(f"  measured R={R}: even split keeps {util:.0%} of the {cores} cores busy: filling the rest, a "
+                  f"schedule doing the same work could be at most {1 / util:.2f}x faster", flush=True)
     return out_rows, (pairs, float(np.mean([len(q.prompt_ids) for b in batches for q in b])))
 
 
+def _measured_result(a: dict, steps: int, rounds: int, R: int, cores: int) -> dict:
+    """One policy's measured row from its per-round totals: the median time per step and the range
+    over rounds; bubbles, core use and throughput over every round."""
+    per_step = sorted(t / steps for t in a["round_s"])
+    total = sum(a["round_s"])
+    return {"step_s": float(np.median(per_step)), "lo_s": per_step[0], "hi_s": per_step[-1],
+            "bubble_fraction": max(0.0, 1 - a["busy"] / (R * total)), "core_utilisation": a["cpu"] / (cores * total),
+            "tok_s": a["tokens"] / total, "simulated_s": a["sim"] / steps, "moved": a["moved"] // rounds,
+            "differ": a["differ"] // rounds}
+
+
 def run(json_path: str | None = None, *, quick: bool = False, traces: str | None = None,
-        speculation: bool = True, measured: bool = True) -> dict:
+        speculation: bool = True, measured: bool = True, engine: str = "native", rounds: int | None = None) -> dict:
     """Both tables; ``measured=False``: the simulated one alone (on the main job's traces if any)."""
     from rhymerl.bench.spec import _default_model
     from rhymerl.config import load_config
@@ -479,9 +502,9 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     if measured:
         model = _default_model()
         print(f"model: {model}")
-        counts, steps, reps = ([2], 3, 1) if quick else ([2, 4], 8, 3)
-        rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, reps=reps,
-                                          modes=(False, True) if speculation else (False,))
+        counts, steps, n = ([2], 3, 1) if quick else ([2, 4], 8, 5)
+        rows, bench_pairs = measured_rows(model, counts, steps=steps, batch=32, rounds=rounds or n,
+                                          modes=(False, True) if speculation else (False,), engine=engine)
     trace_path = Path(traces) if traces else None
     if trace_path is None:
         from rhymerl.training.rl import run_dir_for
@@ -521,9 +544,11 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print("simulated: 16 prompts x 16 samples per worker, 256 slots per worker")
     rows += simulated_rows(sources, [256] if quick else [256, 1024])
     print()
-    print_table(rows, ["source", "trace", "workers", "speculation", "policy", "placement", "makespan_s",
+    print_table(rows, ["source", "trace", "engine", "workers", "speculation", "policy", "placement", "makespan_s",
+                       "makespan_lo_s", "makespan_hi_s",
                        "bubble_fraction", "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
-                       "tail_share", "plan_s", "simulated_s", "sim_error", "moved", "migrations", "steals"])
+                       "tail_share", "plan_s", "simulated_s", "sim_error", "moved", "migrations", "steals",
+                       "samples_differ"])
     return write_report(rows, json_path, {"length_rank_correlation": corrs.get("mean"),
                                            "length_rank_correlation_by_stat": corrs})
 

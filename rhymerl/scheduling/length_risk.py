@@ -161,23 +161,51 @@ def smallest_budget(cut: Callable[[float], list[int] | None], lo: float, hi: flo
 
 def cut_at_budget(est: Callable[[int, int], float], size: int, R: int, budget: float) -> list[int] | None:
     """Contiguous groups of ``size`` ranked units, each taking units while ``est(a, b)`` (monotone
-    in b) stays within ``budget`` (at least one unit): the boundaries (first 0, last ``size``),
-    each group's end a binary search; None when that needs more than R groups."""
-    bounds, a = [0], 0
+    in b) stays within ``budget`` (at least one unit): the boundaries (first 0, last ``size``);
+    None when that needs more than R groups. Each group's end is searched from the last group's
+    size outward (neighbours in a ranking take similar sizes: a few calls, not log2 of the rest)."""
+    bounds, a, guess = [0], 0, 1
     while a < size:
-        lo, hi = a + 1, size
-        if est(a, lo) <= budget:
-            while lo < hi:
-                m = (lo + hi + 1) // 2
-                if est(a, m) <= budget:
-                    lo = m
-                else:
-                    hi = m - 1
-        a = lo
+        b = _last_within(est, a, size, budget, guess)
+        guess = b - a
+        a = b
         bounds.append(a)
         if len(bounds) - 1 > R:
             return None
     return bounds
+
+
+def _last_within(est: Callable[[int, int], float], a: int, size: int, budget: float, guess: int) -> int:
+    """The largest b in (a, size] with ``est(a, b) <= budget`` (a + 1 when none is): a galloping
+    search from ``a + guess``, then bisection of the bracket it found."""
+    lo = a + 1  # fits, or is the answer anyway
+    if est(a, lo) > budget:
+        return lo
+    hi = size  # the answer is in [lo, hi]
+    g = min(size, max(lo, a + guess))
+    if est(a, g) <= budget:
+        lo, step = g, 1
+        while lo < hi:
+            c = min(hi, lo + step)
+            if est(a, c) > budget:
+                hi = c - 1
+                break
+            lo, step = c, step * 2
+    else:
+        hi, step = g - 1, 1
+        while hi > lo:
+            c = max(lo, hi - step)
+            if est(a, c) <= budget:
+                lo = c
+                break
+            hi, step = c - 1, step * 2
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        if est(a, m) <= budget:
+            lo = m
+        else:
+            hi = m - 1
+    return lo
 
 
 def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:

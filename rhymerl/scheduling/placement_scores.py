@@ -7,7 +7,10 @@ trust them most (docs/design.md has the measurement); an outcome cannot be foole
 with the lowest recent makespan relative to the step's best is used next, with tail migration
 or without (migration reads the predictions too: where they carry nothing it moves the wrong
 samples); before any step has been seen, least-loaded routing's deal, without migration, which
-knows nothing of lengths and so cannot be misled by them.
+knows nothing of lengths and so cannot be misled by them. A placement that reads the predictions
+replaces the better of the two deals that know nothing of lengths (least-loaded's, and even
+split's contiguous runs of prompts, whose siblings share a worker) only when it finished clearly
+faster than that one.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from rhymerl.scheduling.cost import StepCost
 
 COLD_START = ("least_loaded", False)
+KNOWLEDGE_FREE = (COLD_START, ("even", False))  # the deals no prediction can mislead
 
 
 @dataclass
@@ -33,12 +37,13 @@ class PlacementScores:
 
     def choose(self) -> tuple[str, bool]:
         """The placement to use next, and whether with tail migration."""
-        base = self.scores.get(_key(*COLD_START))
-        if base is None:
+        free = [(self.scores[_key(*c)], c) for c in KNOWLEDGE_FREE if _key(*c) in self.scores]
+        if not free:
             return COLD_START
+        base, baseline = min(free)
         best = min(self.scores, key=lambda key: self.scores[key])
         if self.scores[best] > base - self.margin:  # within the noise of a few steps: the baseline
-            return COLD_START
+            return baseline
         name, moves = best.split("+")
         return name, moves == "migrate"
 

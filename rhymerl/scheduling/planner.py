@@ -129,7 +129,7 @@ def _use_all_workers(bounds: list[int], est: _RunTime, R: int) -> list[int]:
     return bounds
 
 
-PLACEMENTS = ("auto", "least_loaded", "lpt_samples", "lpt", "contiguous", "spread", "stripe")
+PLACEMENTS = ("auto", "even", "least_loaded", "lpt_samples", "lpt", "contiguous", "spread", "stripe")
 
 
 def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers: int, *,
@@ -209,6 +209,7 @@ def _placements(lens: list[list[float]], dists: LengthDists, R: int, cost: StepC
         # Placements that know nothing of lengths, or little: named, and among what a coordinator
         # scores on real outcomes (placement_scores.py); judged on draws from the predictions
         # (auto here) they would always look worst, so they are not auto's candidates.
+        "even": lambda: _even(lens, R),
         "least_loaded": lambda: _least_loaded(lens, R),
         "lpt_samples": lambda: _lpt_samples(lens, R, cost, max_num_seqs, prompt_len),
         "lpt": lambda: _lpt(lens, R, cost, max_num_seqs, prompt_len),
