@@ -651,3 +651,28 @@ def test_histopipe_is_never_behind_least_loaded(kind):
             plan = make_plan(policy, guess, 64, placement=placement, migrate=migrate, **kw)
             total[policy] += simulate(plan, true, 256, GPU_8B_H100, max_num_seqs=256).makespan_s
     assert total["histopipe"] <= total["least_loaded"], (total, learnt.scores)
+
+
+def test_each_group_ends_where_its_budget_runs_out_whatever_the_last_groups_size():
+    """The budget cut's galloping search (from the last group's size, outward) ends every group
+    where a scan from its start would: at the last unit that keeps it within budget."""
+    from rhymerl.scheduling.length_risk import cut_at_budget
+
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        w = rng.lognormal(0.0, 1.5, size=int(rng.integers(1, 400)))  # groups of very different sizes
+        c = np.concatenate([[0.0], np.cumsum(w)])
+
+        def est(a: int, b: int) -> float:
+            return float(c[b] - c[a] + 3.0 * w[a:b].max())
+
+        budget = float(rng.uniform(w.max() * 4, c[-1] + 4 * w.max()))
+        want, a = [0], 0
+        while a < len(w):
+            b = a + 1
+            while b < len(w) and est(a, b + 1) <= budget:
+                b += 1
+            want.append(b)
+            a = b
+        assert cut_at_budget(est, len(w), len(w), budget) == want, trial
+        assert cut_at_budget(est, len(w), len(want) - 2, budget) is None  # a worker short
