@@ -81,6 +81,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["rounds"] = ns.reps
         if ns.top_p:
             kw["top_p"] = ns.top_p
+        if ns.model_width:
+            kw["width"] = ns.model_width
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "spec":
         from rhymerl.bench.spec import run
@@ -211,6 +213,8 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--draft-head", help="spec: a saved draft head (default: the main job's newest checkpoint's)")
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
+    b.add_argument("--model-width", help="spec --engine vllm: the policy zero-padded to a larger model's size "
+                                          "(same logits, that model's forward; rhymerl.model.widen: 22m)")
     b.add_argument("--top-p", type=float, help="spec --engine vllm: nucleus sampling's top-p (default 1.0)")
     b.add_argument("--epochs", help="spec: the measured epochs, comma-separated (default 1,3)")
     b.add_argument("--reps", type=int, help="spec: timed rounds (native: of the gated rows; vllm: of every row), methods in turn (default 5); "

@@ -86,3 +86,20 @@ def test_incremental_cache_equals_full_sequence():
             mk = torch.ones(2, 1, 1, t + 1, dtype=torch.bool)
             out.append(m(x[:, t:t + 1], p, CacheView(k, v, p, mk)))
     assert (torch.cat(out, 1) - full).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_widened_checkpoint_computes_the_same_logits_at_the_larger_models_size(tmp_path, tied):
+    """Zero padding to 4x the hidden size, a larger MLP and more layers: the logits are the
+    original's to the bit, and the parameters are the larger model's."""
+    from rhymerl.model.widen import Width, parameter_count, widen_checkpoint
+
+    src = tmp_path / "small"
+    save_pretrained(tiny_model(tie_word_embeddings=tied), src)
+    wide = widen_checkpoint(src, tmp_path / "wide", Width(hidden_size=256, intermediate_size=512, num_hidden_layers=3))
+    ids = torch.randint(3, 40, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(src)(ids), load_pretrained(wide)(ids))
+    assert parameter_count(wide) > 10 * parameter_count(src)
+    with pytest.raises(ValueError, match="power-of-4"):
+        widen_checkpoint(src, tmp_path / "bad", Width(hidden_size=128, intermediate_size=512, num_hidden_layers=3))

@@ -277,6 +277,21 @@ def test_a_step_drafts_only_when_its_drafts_pay_for_the_speculative_path(accept,
     assert (share > 0.8) if drafts else (share < 0.15), (share, cut.cost())
 
 
+def test_a_probe_step_drafts_whole_lengths_on_a_rotating_share_of_the_rows():
+    """Deep acceptance stays measured for every row in turn, while a probe costs a quarter of
+    a whole batch's long drafts (on a compute-bound engine those drafts cost as much as rows)."""
+    cut, src, _ = _drive_cutoff(0.002, 0.0002, 0.0002, {"poor": 0.6}, cs=0.0005)
+    probes = []
+    for lap in (1, 2):
+        cut.steps = lap * cut.probe_every  # the next call is a probe
+        probes.append(cut.lengths(64, src, [8] * 64))
+    for got in probes:
+        assert sorted(set(got)) == [0, 8] and got.count(8) == 16, got  # one row in 4
+    assert probes[0] != probes[1]  # another share of the rows each time
+    cut.steps = 1
+    assert sum(cut.lengths(64, src, [8] * 64)) == 0  # between probes: not worth drafting
+
+
 def test_the_draft_cutoff_drafts_everything_until_it_has_measured_the_engine():
     from rhymerl.vllm.draft_cutoff import DraftCutoff
 

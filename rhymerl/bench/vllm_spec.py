@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +69,13 @@ def _epoch(engine, prompts, keys, params, seed: int) -> tuple[list[list[Any]], f
 def run(json_path: str | None = None, *, quick: bool = False, model: str | None = None, prompts: int = 64,
         n: int = 8, max_tokens: int = 160, temperatures: tuple[float, ...] = (1.0,), epochs: int = 3,
         methods: tuple[str, ...] | None = None, max_model_len: int = 256, rounds: int = 5,
-        top_p: float = 1.0) -> list[dict[str, Any]]:
+        top_p: float = 1.0, width: str | None = None) -> list[dict[str, Any]]:
     from rhymerl.bench.spec import _default_model
     from rhymerl.vllm.engine import VllmEngine
 
     model = model or _default_model()
+    if width is not None:  # the same policy at a larger model's cost per forward
+        model = _widened(model, width)
     names = [m for m in (methods or tuple(METHODS)) if m != "none"]
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
@@ -110,6 +113,18 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
     write_report(rows, json_path, {"model": model, "prompts": prompts, "n": n, "max_tokens": max_tokens,
                                    "rounds": rounds, "top_p": top_p})
     return rows
+
+
+def _widened(model: str, width: str) -> str:
+    """``model`` zero-padded to the named width (rhymerl.model.widen), written once beside it."""
+    from rhymerl.model.widen import get_width, parameter_count, widen_checkpoint
+
+    dst = Path(model).parent / f"{Path(model).name}-{width}"
+    if not (dst / "model.safetensors").exists():
+        widen_checkpoint(model, dst, get_width(width))
+    print(f"model: {model} widened to {parameter_count(dst) / 1e6:.1f}M parameters ({dst}): the same logits, "
+          f"a larger model's forward")
+    return str(dst)
 
 
 def _push(eng, m: str, cohort: Cohort, past: dict) -> None:

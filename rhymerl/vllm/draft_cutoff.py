@@ -20,8 +20,10 @@ plus their verification: otherwise it runs as plain decoding would.
 
 Until the costs are fitted, steps cycle through drafting nothing, whole lengths and half lengths
 (so rows, drafted tokens and the drafting step's fixed cost vary apart and can be told apart);
-afterwards one step in ``probe_every`` drafts whole lengths and one drafts nothing, so acceptance
-deep in drafts and the plain step's cost stay measured.
+afterwards one step in ``probe_every`` drafts nothing and one drafts whole lengths on one row in
+``probe_share`` (a different share each time), so the plain step's cost and acceptance deep in
+drafts stay measured without paying for a whole batch's long drafts where verification is
+compute-bound.
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ import numpy as np
 
 
 class DraftCutoff:
-    def __init__(self, k: int, *, decay: float = 0.98, probe_every: int = 16, prior_accept: float = 0.8,
-                 prior_weight: float = 4.0) -> None:
+    def __init__(self, k: int, *, decay: float = 0.98, probe_every: int = 16, probe_share: int = 4,
+                 prior_accept: float = 0.8, prior_weight: float = 4.0) -> None:
         self.k = k
         self.decay = decay
         self.probe_every = probe_every
+        self.probe_share = probe_share  # one row in this many drafts whole lengths on a probe step
         self.steps = 0
         # decayed sums for the cost fit: X^T X over [1, B, D, D > 0] and X^T y
         self._xx = np.zeros((4, 4))
@@ -114,10 +117,16 @@ class DraftCutoff:
         phase = self.steps % (4 if fit is None else self.probe_every)
         if phase == 0:  # a plain step: the cost without drafting stays measured
             return [0] * len(available)
-        if phase == 1:  # whole lengths: acceptance deep in drafts stays measured
-            return list(available)
-        if fit is None:  # not measured yet: half lengths too, so drafted tokens vary apart from rows
+        if fit is None:  # not measured yet: whole and half lengths, so drafted tokens vary apart from rows
             return [min(a, max(1, k // 2)) for a in available] if phase == 2 else list(available)
+        keep = self._keep(fit, rows, sources, available)
+        if phase == 1:  # whole lengths on a rotating share of the rows: acceptance deep in drafts stays measured
+            lap = self.steps // self.probe_every
+            keep = [a if (i + lap) % self.probe_share == 0 else n for i, (a, n) in enumerate(zip(available, keep))]
+        return keep
+
+    def _keep(self, fit: tuple[float, float, float, float], rows: int, sources: list[str | None],
+              available: list[int]) -> list[int]:
         c0, cr, cd, cs = fit
         theta = _theta(fit, rows)
         reach = {src: self.reach(src) for src in set(sources)}
