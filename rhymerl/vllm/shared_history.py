@@ -55,11 +55,6 @@ class SharedHistory:
             self._read_new()
             self._last_read = now
 
-    def flush(self) -> None:
-        """Write what is pending now (an engine's last step before it goes idle or closes)."""
-        if len(self._pending):
-            self._write()
-
     def _write(self) -> None:
         name = f"{time.time_ns():020d}-{self.engine_id}{SUFFIX}"
         self._seen.add(name)
