@@ -88,6 +88,8 @@ def test_every_plan_places_every_sample_once(R):
                     plan = make_plan(policy, lengths, R, cost=cost, max_num_seqs=8, step=step, prompt_len=5,
                                      placement=placement)
                     assert len(plan.workers) == R
+                    if policy not in ("even", "least_loaded"):  # the placement used is named, auto's pick too
+                        assert plan.placement in PLACEMENTS and plan.placement != "auto", (policy, placement)
                     got = sorted((u.prompt, s) for w in plan.workers for u in w for s in u.samples)
                     assert got == want, (policy, placement)
 

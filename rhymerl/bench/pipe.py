@@ -247,7 +247,7 @@ def simulated_rows(sources: dict[str, SimSource], worker_counts: list[int], n: i
                              "migrations": r.migrations, "steals": r.steals, "length_error_sigma": sigma,
                              "tail_share": r.tail_share,
                              "plan_s": plan_s, "sim_wall_s": time.perf_counter() - t,
-                             "placement": f"{placement}+{moves}" if label == "histopipe" else ""})
+                             "placement": f"{plan.placement}+{plan.migrate}" if label == "histopipe" else ""})
             for row in rows[-len(plans):]:
                 row["vs_even"] = res["even"].makespan_s / row["makespan_s"]
                 row["vs_oracle"] = row["makespan_s"] / res["oracle"].makespan_s
@@ -424,9 +424,9 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
             elif lengths != truth[i] and exact:
                 raise AssertionError("the same seeds gave other lengths")
             co.history = store
-            name, moves = co.placements.choose()  # what histopipe's plan below uses (learnt from earlier steps)
-            chosen[f"{name} + {'migration' if moves else 'static'}"] += 1
             plans = {p: co.plan(reqs, 2 + i, policy=p, true_lengths=lengths) for p in policies}
+            hp = plans["histopipe"]  # its placement, learnt from the steps before
+            chosen[f"{hp.placement} + {'migration' if hp.migrate else 'static'}"] += 1
             co.history = shipped
             # Policies take turns, in an order that rotates by step and round, so the machine's
             # drift falls on all of them alike.

@@ -13,11 +13,13 @@ independent).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import random
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,10 +118,14 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
 
 
 def _widened(model: str, width: str) -> str:
-    """``model`` zero-padded to the named width (rhymerl.model.widen), written once beside it."""
+    """``model`` zero-padded to the named width (rhymerl.model.widen), written once under
+    ``checkpoints/widened/``, keyed by the source's file digests (never inside a run's
+    checkpoint, whose manifest lists exactly its files)."""
     from rhymerl.model.widen import get_width, parameter_count, widen_checkpoint
+    from rhymerl.training.checkpoint import file_digests
 
-    dst = Path(model).parent / f"{Path(model).name}-{width}"
+    key = hashlib.sha256(json.dumps(file_digests(Path(model)), sort_keys=True).encode()).hexdigest()[:12]
+    dst = Path("checkpoints") / "widened" / f"{width}-{key}"
     if not (dst / "model.safetensors").exists():
         widen_checkpoint(model, dst, get_width(width))
     print(f"model: {model} widened to {parameter_count(dst) / 1e6:.1f}M parameters ({dst}): the same logits, "

@@ -83,7 +83,7 @@ class RolloutCoordinator:
         report_finished: a worker also reports as soon as one of its groups is whole (for a
             caller that starts work on each group as it lands: a streamed update), at the cost
             of a round trip per group.
-        placement: how histopipe places its groups (``auto`` | ``lpt`` | ``contiguous`` | ``spread``).
+        placement: how histopipe places its groups (one of ``planner.PLACEMENTS``; ``auto``: learnt).
 
     ``length_error_sigma`` is the coordinator's own measure of how well its last histopipe
     plan predicted (log error of the prompts' mean lengths); the next plan prices it in.

@@ -47,7 +47,7 @@ def _pad(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def widen_checkpoint(src: str | Path, dst: str | Path, width: Width) -> Path:
-    """Write ``src`` widened to ``width`` into ``dst`` (config, weights, tokenizer files); returns ``dst``."""
+    """Write ``src`` widened to ``width`` into ``dst``, replacing it (config, weights, tokenizer files); returns ``dst``."""
     src, dst = Path(src), Path(dst)
     cfg = json.loads((src / "config.json").read_text())
     h0, i0, n0 = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]

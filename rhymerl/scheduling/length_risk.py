@@ -210,8 +210,8 @@ def _last_within(est: Callable[[int, int], float], a: int, size: int, budget: fl
 
 def cut_contiguous(est, size: int, R: int, iters: int = 40) -> list[int]:
     """Cut ``size`` ranked units into at most R contiguous groups minimising the largest
-    ``est(a, b)`` (monotone in b): a binary search on the budget, each group extended by a
-    binary search of its end. Returns the boundaries (first 0, last ``size``), then splits
+    ``est(a, b)`` (monotone in b): a binary search on the budget, each group's end found by
+    :func:`cut_at_budget`. Returns the boundaries (first 0, last ``size``), then splits
     the slowest group while workers are spare (allocation: long work gets them)."""
     if size == 0:
         return [0, 0]

@@ -26,6 +26,7 @@ class Plan:
     predicted: np.ndarray | None = field(default=None, repr=False)  # per prompt, what the plan assumed
     known: np.ndarray | None = field(default=None, repr=False)  # per prompt: predicted from its own history
     lengths: list[list[float]] | None = field(default=None, repr=False)  # per prompt, per sample: the plan's input
+    placement: str = ""  # how the planner placed the groups (planner.PLACEMENTS; auto's pick, named)
 
     def samples_per_worker(self) -> list[int]:
         return [sum(len(u.samples) for u in w) for w in self.workers]

@@ -187,10 +187,10 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
             plan = Plan(policy, [_merge(g) for g in gs], migrate=tail_moves, predicted=predicted)
             return float(np.mean([simulate(plan, j, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs).makespan_s
                                   for j in judged]))
-        groups = _auto_choice(policy, lens, dists, candidates, step, simulated_s)
+        placement, groups = _auto_choice(policy, lens, dists, candidates, step, simulated_s)
     if complementary and step % 2 == 0:
         groups = groups[::-1]
-    return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted)
+    return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted, placement=placement)
 
 
 def _even(lens: list[list[float]], R: int) -> list[list[tuple[int, int]]]:
@@ -220,7 +220,7 @@ def _placements(lens: list[list[float]], dists: LengthDists, R: int, cost: StepC
 
 
 def _auto_choice(policy: str, lens: list[list[float]], dists: LengthDists, candidates: dict, step: int,
-                 simulated_s: Callable[[list, list], float]) -> list[list[tuple[int, int]]]:
+                 simulated_s: Callable[[list, list], float]) -> tuple[str, list[list[tuple[int, int]]]]:
     """``auto``: the candidate the simulator finishes first. Candidates are compared by
     simulating them (the closed-form estimate reads the cost curve as a line), on lengths drawn
     with the prediction's measured error rather than on the point predictions (judged on those,
@@ -236,7 +236,7 @@ def _auto_choice(policy: str, lens: list[list[float]], dists: LengthDists, candi
     else:
         judged = [dists.draw([len(x) for x in lens], rng) for _ in range(2)]
     names = ("lpt", "contiguous") if policy == "oracle" else ("lpt", "contiguous", "spread", "stripe")
-    return min((candidates[name]() for name in names), key=lambda gs: simulated_s(gs, judged))
+    return min(((name, candidates[name]()) for name in names), key=lambda c: simulated_s(c[1], judged))
 
 
 def _least_loaded(lens: list[list[float]], R: int) -> list[list[tuple[int, int]]]:
