@@ -474,7 +474,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
             f"{p} {results[p]['step_s']:.3f} [{results[p]['lo_s']:.3f}, {results[p]['hi_s']:.3f}]"
             + (f" (sim {results[p]['simulated_s']:.3f})" if simulated else "") for p in results), flush=True)
         util = results["even"]["core_utilisation"]
-        if util == util:  # NaN where the engine's processes cannot be read
+        if not np.isnan(util):  # NaN where the engine's processes cannot be read
             print(f"  measured R={R}: even split keeps {util:.0%} of the {cores} cores busy: filling the rest, a "
                   f"schedule doing the same work could be at most {1 / util:.2f}x faster", flush=True)
     return out_rows, (pairs, float(np.mean([len(q.prompt_ids) for b in batches for q in b])))
