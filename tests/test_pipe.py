@@ -347,7 +347,41 @@ def test_workers_emit_the_tokens_of_one_engine(model_dir, policy):
             co.history.add(r.prompt_key, r.prompt_ids, [c.token_ids for c in o.outputs], step)
     assert sorted(streamed) == sorted(list(range(len(reqs))) * 2)
     assert co.stats.accepted > 0  # step 2 drafted from step 1's history, shipped to the workers
+    if policy == "histopipe":  # step 2 was planned from history: the simulator was checked against the workers
+        assert co.placements.steps == 1 and co.placements.share_error_sq is not None
     assert all(len(co.history.lengths(r.prompt_key)) == 4 for r in reqs)
+
+
+def test_scoring_a_steps_placements_waits_for_no_one_but_the_next_plan(model_dir, monkeypatch):
+    """After a HistoPipe step the coordinator scores every placement on the actual lengths: that
+    runs beside what comes next (training, the next rollout), and the next plan waits for it."""
+    import threading
+
+    from rhymerl.model import load_pretrained
+    from rhymerl.scheduling.placement_scores import PlacementScores
+
+    release, scored = threading.Event(), []
+    real = PlacementScores.observe
+
+    def slow_observe(self, *a, **kw):
+        release.wait(30)  # held until the test has seen rollout return
+        scored.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(PlacementScores, "observe", slow_observe)
+    reqs = _requests()
+    pool = InprocPool(_specs(model_dir, 2))
+    pool.update_weights(dict(load_pretrained(model_dir).named_parameters()))
+    store = HistoryStore()
+    for r in reqs:
+        store.add(r.prompt_key, r.prompt_ids, [[5] * 8], step=0)
+    co = RolloutCoordinator(pool, policy="histopipe", history=store, cost=LINEAR, max_num_seqs=16, slice_s=0.002)
+    co.rollout(reqs, 1)
+    assert scored == []  # rollout returned with the scoring still held
+    release.set()
+    co.plan(reqs, 2)  # waits for it
+    assert len(scored) == 1 and scored[0] != threading.current_thread().name
+    assert co.placements.steps == 1 and co.placements.share_error_sq is not None
 
 
 def test_a_worker_reports_each_whole_group_at_once(model_dir):
@@ -615,6 +649,23 @@ def test_a_placement_reading_predictions_must_beat_the_better_knowledge_free_dea
     assert learnt.choose() == ("spread", True)
     learnt.scores["spread+migrate"] = 1.02
     assert learnt.choose() == ("least_loaded", False)
+
+
+def test_a_placement_must_beat_the_knowledge_free_deal_by_more_than_the_simulators_measured_error():
+    """Where the simulator misprices one worker's share against another's by more than a
+    placement's predicted gain, the knowledge-free deal is kept; a machine-wide drift (every
+    share off by the same factor) is no such error."""
+    from rhymerl.scheduling.placement_scores import PlacementScores
+
+    scores = {"least_loaded+static": 1.0, "even+static": 1.01, "spread+migrate": 0.96}
+    learnt = PlacementScores(scores=dict(scores))
+    assert learnt.choose() == ("spread", True)  # 4 % ahead, no measured error yet: the default margin
+    assert learnt.observe_shares([2.0, 2.2, 1.8], [1.0, 1.1, 0.9]) == pytest.approx(0.0)  # drift only
+    assert learnt.choose() == ("spread", True)
+    spread = learnt.observe_shares([1.0, 1.12], [1.0, 1.0])  # one share 12 % dearer than priced
+    assert spread == pytest.approx(0.0801, abs=1e-3) and learnt.share_error > 0.04
+    assert learnt.choose() == ("least_loaded", False)
+    assert learnt.observe_shares([1.0, 0.0], [1.0, 1.0]) is None  # an idle worker says nothing
 
 
 @pytest.mark.parametrize("kind", ["uninformative", "rhyming", "reasoning", "heavy_tail"])

@@ -395,7 +395,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i,
                             speculative=speculative, engine=engine) for i in range(R)]
         pool = make_pool("local", specs, named)
-        co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05)
+        co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05,
+                                cores=float(cores), threads=threads)
         warm = requests(rows_data[: 4 * R], 0)
         shipped = store if speculation else None  # drafts need the history on the workers
         co.history = shipped
@@ -464,6 +465,8 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
                              "steps": steps, "rounds": rounds, "policy": policy, "makespan_s": res["step_s"],
                              "placement": ", ".join(f"{k} x{v}" for k, v in chosen.most_common())
                              if policy == "histopipe" else "",
+                             # how far the simulator misprices one worker's share against another's here
+                             **({"share_error": co.placements.share_error} if policy == "histopipe" else {}),
                              "makespan_lo_s": res["lo_s"], "makespan_hi_s": res["hi_s"],
                              "bubble_fraction": res["bubble_fraction"], "core_utilisation": res["core_utilisation"],
                              "tok_s": res["tok_s"], "moved": res["moved"], "samples_differ": res["differ"],
@@ -547,7 +550,7 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print_table(rows, ["source", "trace", "engine", "workers", "speculation", "policy", "placement", "makespan_s",
                        "makespan_lo_s", "makespan_hi_s",
                        "bubble_fraction", "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
-                       "tail_share", "plan_s", "simulated_s", "sim_error", "moved", "migrations", "steals",
+                       "tail_share", "plan_s", "simulated_s", "sim_error", "share_error", "moved", "migrations", "steals",
                        "samples_differ"])
     return write_report(rows, json_path, {"length_rank_correlation": corrs.get("mean"),
                                            "length_rank_correlation_by_stat": corrs})

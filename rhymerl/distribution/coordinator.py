@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -21,7 +22,7 @@ from rhymerl.distribution.work import ENGINE_COUNTERS, WorkerLost, WorkerReport,
 from rhymerl.engine.llm_engine import EngineStats
 from rhymerl.engine.outputs import CompletionOutput, RequestOutput
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.scheduling import StepCost, make_plan
+from rhymerl.scheduling import StepCost, make_plan, simulate
 from rhymerl.scheduling.length_predictor import log_error_sigma, predicted_samples
 from rhymerl.scheduling.placement_scores import PlacementScores
 from rhymerl.scheduling.plan import Plan
@@ -84,6 +85,9 @@ class RolloutCoordinator:
             caller that starts work on each group as it lands: a streamed update), at the cost
             of a round trip per group.
         placement: how histopipe places its groups (one of ``planner.PLACEMENTS``; ``auto``: learnt).
+        cores, threads: the workers share this many cores, ``threads`` each (local worker
+            processes on one machine; None: each worker has a device of its own): the simulator
+            that checks its prices against the workers' measured time needs to know.
 
     ``length_error_sigma`` is the coordinator's own measure of how well its last histopipe
     plan predicted (log error of the prompts' mean lengths); the next plan prices it in.
@@ -93,21 +97,34 @@ class RolloutCoordinator:
                  max_num_seqs: int = 64, length_stat: str = "mean", tail_fraction: float = 0.1,
                  worker_timeout_s: float = 300.0, slice_s: float = 0.05, complementary: bool = True,
                  migrate: bool = True, placement: str = "auto", tokenizer=None,
-                 report_finished: bool = False) -> None:
+                 report_finished: bool = False, cores: float | None = None, threads: int = 1) -> None:
         self.pool, self.policy, self.history = pool, policy, history
         self.cost = cost or StepCost((1, 2), (1.0, 1.0))
         self.max_num_seqs, self.length_stat = max_num_seqs, length_stat
         self.tail_fraction, self.worker_timeout_s, self.slice_s = tail_fraction, worker_timeout_s, slice_s
         self.complementary, self.migrate, self.tokenizer = complementary, migrate, tokenizer
         self.placement, self.report_finished = placement, report_finished
+        self.cores, self.threads = cores, threads
         self.length_error_sigma = 0.0
-        self.placements = PlacementScores()  # placement "auto": learnt from the steps run (scheduling/)
+        self._placements = PlacementScores()  # placement "auto": learnt from the steps run (scheduling/)
+        # Scoring a finished step's placements runs beside whatever comes next (training, the next
+        # rollout's workers); the next plan, or a reader of the scores, waits for it.
+        self._learner: ThreadPoolExecutor | None = None
+        self._learning: Future | None = None
         self.stats = EngineStats()
         self.source_stats: dict[str, float] = {}  # "accepted/<source>", "drafted/<source>", cumulative
         self.pipe = PipeStats()
         self.busy_s: dict[int, float] = defaultdict(float)  # engine time per worker, cumulative
         self.on_report: Callable[[WorkerHandle, WorkerReport], None] | None = None  # test hook
         self._next_item = 0
+
+    @property
+    def placements(self) -> PlacementScores:
+        """HistoPipe's placement scores, with every finished step's scoring in."""
+        if self._learning is not None:
+            done, self._learning = self._learning, None
+            done.result()  # an error in scoring surfaces here
+        return self._placements
 
     @property
     def num_workers(self) -> int:
@@ -148,26 +165,41 @@ class RolloutCoordinator:
         workers that reported it are sent on).
         """
         plan = plan or self.plan(requests, step)
+        workers = [h.index for h in self.pool.alive()]
+        busy0 = [self.busy_s[i] for i in workers]
         outs = _StepRun(self, requests, step, plan, on_done).run()
+        busy = [self.busy_s[i] - b for i, b in zip(workers, busy0)]
         if plan.policy == "histopipe" and plan.known is not None and plan.predicted is not None:
             k = [i for i, o in enumerate(outs) if plan.known[i] and o.error is None and o.outputs]
             if len(k) >= 2:
                 true = [np.mean([len(c.token_ids) for c in outs[i].outputs]) for i in k]
                 self.length_error_sigma = log_error_sigma(plan.predicted[k], true)
-            self._learn_placement(plan, requests, outs)
+            self._learn_placement(plan, requests, outs, busy if len(workers) == len(self.pool.alive()) else None)
         return outs
 
-    def _learn_placement(self, plan: Plan, requests: list[RolloutRequest], outs: list[RequestOutput]) -> None:
-        """Score each placement on this step's actual lengths (only a complete step: every sample)."""
+    def _learn_placement(self, plan: Plan, requests: list[RolloutRequest], outs: list[RequestOutput],
+                         busy: list[float] | None) -> None:
+        """Score each placement on this step's actual lengths (only a complete step: every sample),
+        and check the simulator against each worker's measured busy time (``busy``; None when a
+        worker was lost); on the learner thread, after the previous step's scoring."""
         if self.placement != "auto" or len(plan.workers) < 2 or plan.lengths is None or plan.known is None \
                 or not plan.known.any():  # one worker: every placement is the same
             return
         actual = [[len(c.token_ids) for c in o.outputs] for o in outs]
         if any(o.error is not None or len(a) != len(p) for o, a, p in zip(outs, actual, plan.lengths)):
             return
-        self.placements.observe(plan.lengths, actual, len(plan.workers), cost=self.cost,
-                                max_num_seqs=self.max_num_seqs,
-                                error_sigma=self.length_error_sigma, **_shape(requests))
+        scores, cost, shape = self.placements, self.cost, _shape(requests)
+        kw = dict(max_num_seqs=self.max_num_seqs, cores=self.cores, threads=self.threads)
+        sigma, prompt_lens = self.length_error_sigma, [len(r.prompt_ids) for r in requests]
+
+        def score() -> None:
+            scores.observe(plan.lengths, actual, len(plan.workers), cost=cost, error_sigma=sigma, **kw, **shape)
+            if busy is not None and len(busy) == len(plan.workers):
+                scores.observe_shares(busy, simulate(plan, actual, prompt_lens, cost, **kw).busy_s)
+
+        if self._learner is None:
+            self._learner = ThreadPoolExecutor(1, thread_name_prefix="rhymerl-placement")
+        self._learning = self._learner.submit(score)
 
     # --- LLM-compatible entry point (evaluation) ------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],

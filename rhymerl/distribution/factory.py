@@ -124,7 +124,10 @@ def build_coordinator(cfg: RunConfig, model_path: str | Path, named: Mapping[str
         log.info("worker cost curve: %s", cost.to_dict())
     pool = make_pool(r.backend, specs, named, address=cfg.cluster.address, in_process=in_process_worker(cfg),
                      timeout_s=r.worker_timeout_s, allow_insecure=cfg.cluster.allow_insecure)
+    # local CPU worker processes share this machine's cores (what the simulator must price)
+    shared = r.backend == "local" and not cfg.cluster.address and all(s.device == "cpu" for s in specs)
     return RolloutCoordinator(pool, policy=r.schedule, history=history, cost=cost, max_num_seqs=r.max_num_seqs,
+                              cores=float(os.cpu_count() or 1) if shared else None, threads=max(1, specs[0].threads),
                               length_stat=r.length_stat, tail_fraction=r.tail_fraction,
                               worker_timeout_s=r.worker_timeout_s, complementary=r.complementary,
                               migrate=r.migrate, placement=r.placement, tokenizer=tokenizer,

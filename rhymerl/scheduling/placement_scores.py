@@ -10,10 +10,14 @@ samples); before any step has been seen, least-loaded routing's deal, without mi
 knows nothing of lengths and so cannot be misled by them. A placement that reads the predictions
 replaces the better of the two deals that know nothing of lengths (least-loaded's, and even
 split's contiguous runs of prompts, whose siblings share a worker) only when it finished clearly
-faster than that one.
+faster than that one, by more than the simulator's own measured error: the spread, across
+the workers of a step just run, of each worker's measured busy time over the simulator's for
+its share (machine-wide drift cancels within a step; what remains is how far the simulator can
+misjudge one share against another, which is what ranking placements rests on).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rhymerl.scheduling.cost import StepCost
@@ -34,6 +38,19 @@ class PlacementScores:
     margin: float = 0.02
     scores: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    # moving mean of the squared spread of log(measured / simulated) busy time across a step's
+    # workers; None before any step was measured
+    share_error_sq: float | None = None
+
+    @property
+    def share_error(self) -> float:
+        """The simulator's measured error between one worker's share and another's (0: unknown)."""
+        return math.sqrt(self.share_error_sq) if self.share_error_sq is not None else 0.0
+
+    @property
+    def trusted_margin(self) -> float:
+        """How much faster, relative, a placement must score to replace the knowledge-free deal."""
+        return max(self.margin, self.share_error)
 
     def choose(self) -> tuple[str, bool]:
         """The placement to use next, and whether with tail migration."""
@@ -42,30 +59,34 @@ class PlacementScores:
             return COLD_START
         base, baseline = min(free)
         best = min(self.scores, key=lambda key: self.scores[key])
-        if self.scores[best] > base - self.margin:  # within the noise of a few steps: the baseline
+        if self.scores[best] > base - self.trusted_margin:  # within the noise of a few steps: the baseline
             return baseline
         name, moves = best.split("+")
         return name, moves == "migrate"
 
     def observe(self, predicted: list[list[float]], actual: list[list[int]], num_workers: int, *, cost: StepCost,
                 max_num_seqs: int, prompt_len: float, error_sigma: float, max_tokens: float | None,
-                candidates: tuple[str, ...] | None = None) -> dict[str, float]:
+                candidates: tuple[str, ...] | None = None, cores: float | None = None,
+                threads: int = 1) -> dict[str, float]:
         """Score every candidate (with and without tail migration) on one finished step; returns
-        this step's relative makespans."""
+        this step's relative makespans. ``cores``, ``threads``: as :func:`simulate`'s (workers
+        sharing a machine's cores)."""
+        import numpy as np
+
         from rhymerl.scheduling.plan import Plan
-        from rhymerl.scheduling.planner import PLACEMENTS, make_plan
+        from rhymerl.scheduling.planner import PLACEMENTS, placement_groups
         from rhymerl.scheduling.simulator import simulate
 
         names = candidates or tuple(p for p in PLACEMENTS if p != "auto")
+        groups = placement_groups(predicted, num_workers, names, cost=cost, max_num_seqs=max_num_seqs,
+                                  prompt_len=prompt_len, error_sigma=error_sigma, max_tokens=max_tokens)
+        means = np.array([float(np.mean(x)) if len(x) else 0.0 for x in predicted])
         made = {}
-        for name in names:
-            plan = make_plan("histopipe", predicted, num_workers, cost=cost, max_num_seqs=max_num_seqs,
-                             complementary=False, prompt_len=prompt_len, placement=name, error_sigma=error_sigma,
-                             max_tokens=max_tokens)
+        for name, workers in groups.items():
             for moves in (True, False):
-                p = Plan(plan.policy, plan.workers, migrate=moves, predicted=plan.predicted)
-                made[_key(name, moves)] = simulate(p, actual, int(round(prompt_len)), cost,
-                                                   max_num_seqs=max_num_seqs).makespan_s
+                p = Plan("histopipe", workers, migrate=moves, predicted=means)
+                made[_key(name, moves)] = simulate(p, actual, int(round(prompt_len)), cost, max_num_seqs=max_num_seqs,
+                                                   cores=cores, threads=threads).makespan_s
         best = min(made.values())
         rel = {key: m / best if best > 0 else 1.0 for key, m in made.items()}
         for key, r in rel.items():
@@ -73,6 +94,20 @@ class PlacementScores:
             self.scores[key] = r if old is None else self.decay * old + (1 - self.decay) * r
         self.steps += 1
         return rel
+
+
+    def observe_shares(self, measured_busy_s: list[float], simulated_busy_s: list[float]) -> float | None:
+        """Record how well the simulator priced each worker's share of a step just run (busy
+        seconds measured and simulated, per worker); returns this step's spread (None: fewer
+        than two workers did work)."""
+        logs = [math.log(m / s) for m, s in zip(measured_busy_s, simulated_busy_s) if m > 0 and s > 0]
+        if len(logs) < 2:
+            return None
+        mean = sum(logs) / len(logs)
+        spread_sq = sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
+        old = self.share_error_sq
+        self.share_error_sq = spread_sq if old is None else self.decay * old + (1 - self.decay) * spread_sq
+        return math.sqrt(spread_sq)
 
 
 def _key(placement: str, migrate: bool) -> str:

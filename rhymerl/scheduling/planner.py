@@ -193,6 +193,17 @@ def make_plan(policy: str, lengths: list[list[float]] | np.ndarray, num_workers:
     return Plan(policy, [_merge(g) for g in groups], migrate=tail_moves, predicted=predicted, placement=placement)
 
 
+def placement_groups(lengths: list[list[float]], num_workers: int, names: tuple[str, ...], *, cost: StepCost,
+                     max_num_seqs: int, prompt_len: float = 0.0, error_sigma: float = 0.0,
+                     max_tokens: float | None = None) -> dict[str, list[list[WorkUnit]]]:
+    """Each named placement's groups (HistoPipe's, worker 0 first) from one set of predicted
+    lengths, the length distributions built once: what the coordinator scores after a step."""
+    lens = [list(map(float, x)) for x in lengths]
+    dists = LengthDists.from_samples(lens, error_sigma, max_tokens)
+    candidates = _placements(lens, dists, num_workers, cost, max_num_seqs, prompt_len)
+    return {name: [_merge(g) for g in candidates[name]()] for name in names}
+
+
 def _even(lens: list[list[float]], R: int) -> list[list[tuple[int, int]]]:
     """Prompts cut into R contiguous runs of equal count, whatever their lengths."""
     P = len(lens)
