@@ -12,7 +12,10 @@ when
     q > theta(B) = cd * B / (c0 + cr * B)
 
 so on a compute-bound step (a CPU, a large GPU batch) only near-certain tokens are drafted, and in
-a drained tail or a memory-bound GPU decode (``c0`` large) almost any are. ``q`` at draft position
+a drained tail or a memory-bound GPU decode (``c0`` large) almost any are. Both this rule and the
+step's below ask a draft to pay ``margin`` times its cost (1.1, as the native gate): a token that
+merely breaks even by a fit of noisy step times is as likely to lose, and never slower is the
+promise. ``q`` at draft position
 ``j`` is the product of the acceptance measured at positions ``1..j`` for drafts from the same
 source (siblings, the prompt's history, every prompt's). The step then drafts only if the tokens
 its kept drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs``
@@ -32,8 +35,9 @@ import numpy as np
 
 class DraftCutoff:
     def __init__(self, k: int, *, decay: float = 0.98, probe_every: int = 16, probe_share: int = 4,
-                 prior_accept: float = 0.8, prior_weight: float = 4.0) -> None:
+                 prior_accept: float = 0.8, prior_weight: float = 4.0, margin: float = 1.1) -> None:
         self.k = k
+        self.margin = margin
         self.decay = decay
         self.probe_every = probe_every
         self.probe_share = probe_share  # one row in this many drafts whole lengths on a probe step
@@ -128,13 +132,13 @@ class DraftCutoff:
     def _keep(self, fit: tuple[float, float, float, float], rows: int, sources: list[str | None],
               available: list[int]) -> list[int]:
         c0, cr, cd, cs = fit
-        theta = _theta(fit, rows)
+        theta = self.margin * _theta(fit, rows)
         reach = {src: self.reach(src) for src in set(sources)}
         keep = [min(a, int(np.count_nonzero(reach[src] >= theta))) for src, a in zip(sources, available)]
         gain = sum(float(reach[src][:n].sum()) for src, n in zip(sources, keep) if n)  # expected accepted tokens
         plain_per_token = (c0 + cr * rows) / max(1, rows)
         drafted = sum(keep)
-        if drafted == 0 or gain * plain_per_token <= cs + cd * drafted:
+        if drafted == 0 or gain * plain_per_token <= self.margin * (cs + cd * drafted):
             return [0] * len(available)
         return keep
 
