@@ -52,6 +52,28 @@ def test_vllms_own_methods_configure_there_and_are_named_as_vllms_elsewhere(tmp_
             load_config(None, [f"rollout.speculative.method={method}"])
 
 
+def test_a_vllm_worker_told_not_to_record_gives_its_proposer_no_recorder(monkeypatch):
+    """A benchmark that runs a step again turns recording off (``WorkerSpec.record_history``):
+    the worker builds its engine so, and the proposer's config says so."""
+    import rhymerl.vllm.engine as vengine
+    from rhymerl.distribution.vllm_worker import VllmRolloutWorker
+    from rhymerl.distribution.work import WorkerSpec
+
+    built = {}
+
+    class Engine:
+        def __init__(self, path, **kw):
+            built.update(kw)
+            raise RuntimeError("built")  # no vLLM needed past the arguments
+
+    monkeypatch.setattr(vengine, "VllmEngine", Engine)
+    for record in (True, False):
+        with pytest.raises(RuntimeError, match="built"):
+            VllmRolloutWorker(WorkerSpec("unused", engine="vllm", record_history=record))
+        assert built["record_history"] is record
+        assert vengine.rhymerl_config({}, None, record).get("record", True) is record
+
+
 def test_the_correction_expands_and_the_probe_catches_a_kernel_writing_into_a_copy():
     def writes_a_copy(output, input_val, cu, replace_from, replace_to, MAX_NUM_TOKENS=None):
         sampler_fix.expand(output.to(torch.int64), input_val.to(torch.int64), cu, replace_from, replace_to)

@@ -392,8 +392,11 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
         threads = max(1, cores // R)
         # timed right before the runs it predicts: this machine's speed drifts within a bench
         base_cost = profile_now(model, threads)
+        # Every run of a step drafts from the first epoch alone: a vLLM engine recording what it
+        # finished would hand a repeated step's later runs its own earlier responses (to the
+        # policies that put a prompt on the same engine again).
         specs = [WorkerSpec(model, max_num_seqs=256, max_model_len=r.max_model_len, threads=threads, seed=i,
-                            speculative=speculative, engine=engine) for i in range(R)]
+                            speculative=speculative, engine=engine, record_history=False) for i in range(R)]
         pool = make_pool("local", specs, named)
         co = RolloutCoordinator(pool, history=store, cost=base_cost, max_num_seqs=256, slice_s=0.05,
                                 cores=float(cores), threads=threads)

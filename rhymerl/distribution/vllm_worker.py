@@ -46,7 +46,7 @@ class VllmRolloutWorker:
             raise ValueError("; ".join(problems))
         self.engine = engine if engine is not None else VllmEngine(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
                                  dtype=spec.dtype, speculative=spec.speculative, seed=spec.seed,
-                                 timeout_s=spec.timeout_s)
+                                 timeout_s=spec.timeout_s, record_history=spec.record_history)
         self.model_config = ModelConfig.from_file(Path(spec.model_path) / "config.json")
         self.tokenizer = None
         if any((Path(spec.model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):

@@ -28,6 +28,10 @@ class WorkerSpec:
     invariant: bool = False  # shape-invariant numerics (rhymerl.model.invariant)
     engine: str = "native"  # native | vllm (rhymerl.rollout_engines.ENGINES)
     timeout_s: float = 300.0  # bounds the worker's own calls into its engine (vLLM's RPCs)
+    # vLLM workers also record the responses they finish, so later requests of the same step draft
+    # from them across prompts; off where a step is run again (a benchmark's rounds), which would
+    # otherwise draft from its own earlier runs
+    record_history: bool = True
 
 
 @dataclass

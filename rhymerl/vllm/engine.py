@@ -113,12 +113,24 @@ def _cpu_env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def rhymerl_config(proposer_fields: dict[str, Any], history_path: str | None = None,
+                   record_history: bool = True) -> dict[str, Any]:
+    """What the proposer reads from ``additional_config["rhymerl"]`` (see rhymerl.vllm.proposer)."""
+    extra: dict[str, Any] = {"speculative": proposer_fields}
+    if history_path:
+        extra["history"] = str(history_path)
+    if not record_history:
+        extra["record"] = False
+    return extra
+
+
 class VllmEngine:
     """One vLLM engine (its engine core in a process of its own) fed samples and stepped."""
 
     def __init__(self, model_path: str | Path, *, max_num_seqs: int = 64, max_model_len: int = 512,
                  dtype: str = "float32", speculative: SpecConfig | None = None, seed: int = 0,
-                 history_path: str | None = None, timeout_s: float = 300.0, refuse_lossy: bool = True) -> None:
+                 history_path: str | None = None, timeout_s: float = 300.0, refuse_lossy: bool = True,
+                 record_history: bool = True) -> None:
         import_vllm()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -127,9 +139,7 @@ class VllmEngine:
         os.environ[lifetime.OWNER] = str(os.getpid())  # its processes end with this one (lifetime.py)
         check_model(model_path)
         spec, proposer_fields = vllm_speculative(speculative)
-        extra: dict[str, Any] = {"speculative": proposer_fields}
-        if history_path:
-            extra["history"] = str(history_path)
+        extra = rhymerl_config(proposer_fields, history_path, record_history)
         self.speculative = spec
         self.timeout_s = timeout_s
         # Chunked prefill rewinds a seeded request's generator when it discards a partial
