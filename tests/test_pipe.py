@@ -637,8 +637,8 @@ def _rhyming_pairs(count: int, n: int, rng: np.random.Generator) -> list:
 
 def test_a_placement_reading_predictions_must_beat_the_better_knowledge_free_deal():
     """Least-loaded's deal is where HistoPipe starts; even split's (siblings together) replaces it
-    when it finished first, and a placement that reads the predictions is used only when it
-    finished clearly faster than the better of the two."""
+    when it finished first or too close to call, and a placement that reads the predictions is
+    used only when it finished clearly faster than the better of the two."""
     from rhymerl.scheduling.placement_scores import PlacementScores
 
     learnt = PlacementScores(scores={"least_loaded+static": 1.03, "even+static": 1.0, "spread+migrate": 0.99})
@@ -649,6 +649,8 @@ def test_a_placement_reading_predictions_must_beat_the_better_knowledge_free_dea
     assert learnt.choose() == ("spread", True)
     learnt.scores["spread+migrate"] = 1.02
     assert learnt.choose() == ("least_loaded", False)
+    learnt.scores["even+static"] = 1.04  # too close to call (the 2 % margin): siblings together
+    assert learnt.choose() == ("even", False)
 
 
 def test_a_placement_must_beat_the_knowledge_free_deal_by_more_than_the_simulators_measured_error():
@@ -657,7 +659,7 @@ def test_a_placement_must_beat_the_knowledge_free_deal_by_more_than_the_simulato
     share off by the same factor) is no such error."""
     from rhymerl.scheduling.placement_scores import PlacementScores
 
-    scores = {"least_loaded+static": 1.0, "even+static": 1.01, "spread+migrate": 0.96}
+    scores = {"least_loaded+static": 1.0, "even+static": 1.10, "spread+migrate": 0.96}
     learnt = PlacementScores(scores=dict(scores))
     assert learnt.choose() == ("spread", True)  # 4 % ahead, no measured error yet: the default margin
     assert learnt.observe_shares([2.0, 2.2, 1.8], [1.0, 1.1, 0.9]) == pytest.approx(0.0)  # drift only

@@ -189,7 +189,7 @@ class RolloutCoordinator:
         if any(o.error is not None or len(a) != len(p) for o, a, p in zip(outs, actual, plan.lengths)):
             return
         scores, cost, shape = self.placements, self.cost, _shape(requests)
-        kw = dict(max_num_seqs=self.max_num_seqs, cores=self.cores, threads=self.threads)
+        kw = {"max_num_seqs": self.max_num_seqs, "cores": self.cores, "threads": self.threads}
         sigma, prompt_lens = self.length_error_sigma, [len(r.prompt_ids) for r in requests]
 
         def score() -> None:
