@@ -13,7 +13,8 @@ split's contiguous runs of prompts, whose siblings share a worker) only when it 
 faster than that one, by more than the simulator's own measured error: the spread, across
 the workers of a step just run, of each worker's measured busy time over the simulator's for
 its share (machine-wide drift cancels within a step; what remains is how far the simulator can
-misjudge one share against another, which is what ranking placements rests on).
+misjudge one share against another, which is what ranking placements rests on). Where the two
+deals themselves score within that error, even split's.
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ class PlacementScores:
         base, baseline = min(free)
         if len(free) == 2 and max(free)[0] - base <= self.trusted_margin:
             # Too close for the simulator to call: even split, whose siblings share a worker, their
-            # prompt's prefill and prefix cache, and draft from each other (what the simulator prices
-            # in part or not at all; measured ahead of least-loaded's deal in 15 of 16 rows).
+            # prompt's prefill and prefix cache, and draft from each other (what the simulator
+            # prices in part or not at all; docs/design.md).
             baseline = SIBLINGS_TOGETHER
         best = min(self.scores, key=lambda key: self.scores[key])
         if self.scores[best] > base - self.trusted_margin:  # within what the simulator can tell apart: the baseline
