@@ -217,11 +217,12 @@ def test_an_engine_that_dies_under_a_call_is_named_in_one_error():
 
 
 def _drive_cutoff(c0: float, cr: float, cd: float, accept: dict, rows: int = 64, steps: int = 600, cs: float = 0.0,
-                  **kw):
+                  confident=None, **kw):
     """A DraftCutoff driven as the proposer drives it, on an engine whose step costs
     ``c0 + cr B + cd D`` (+ ``cs`` when it drafts; 5 % noise) and whose verification accepts each
-    next token of a draft from source ``s`` with probability ``accept[s]``; the index offers each
-    row 8 tokens, or fewer (a short match) on one row in four. Returns the cutoff, the rows'
+    next token of a draft from source ``s`` with probability ``accept[s]`` (a callable: of the
+    token's confidence); the index offers each row 8 tokens, or fewer (a short match) on one row
+    in four, of confidence 1 (or ``confident(rng)``'s row). Returns the cutoff, the rows'
     sources and the share of steps after the first 100 that drafted."""
     from rhymerl.vllm.draft_cutoff import DraftCutoff
 
@@ -231,15 +232,17 @@ def _drive_cutoff(c0: float, cr: float, cd: float, accept: dict, rows: int = 64,
     for step in range(steps):
         b = rows if step % 40 < 30 else rng.randint(4, rows)  # full batches, then a drained tail
         offered = [k if rng.random() < 0.75 else rng.randint(1, k) for _ in range(b)]
-        keep = cut.lengths(b, sources[:b], offered)
+        conf = np.array([confident(rng) if confident else [1.0] * k for _ in range(b)])
+        keep = cut.lengths(b, sources[:b], offered, conf)
         assert all(0 <= n <= o for n, o in zip(keep, offered))
         accepted = []
-        for src, n in zip(sources[:b], keep):
+        for src, n, c in zip(sources[:b], keep, conf):
+            rate = accept[src] if callable(accept[src]) else (lambda _, p=accept[src]: p)
             a = 0
-            while a < n and rng.random() < accept[src]:
+            while a < n and rng.random() < rate(c[a]):
                 a += 1
             accepted.append(a)
-        cut.observe_drafts(sources[:b], keep, accepted)
+        cut.observe_drafts(sources[:b], keep, accepted, conf)
         d = sum(keep)
         cut.observe_step(b, d, (c0 + cr * b + cd * d + (cs if d else 0.0)) * rng.uniform(0.95, 1.05))
         drafting += step >= 100 and d > 0
@@ -253,19 +256,43 @@ def test_the_draft_cutoff_drafts_as_far_as_tokens_pay_on_this_engine():
     tail of a compute-bound engine drafts further than its full batch."""
     cut, src, _ = _drive_cutoff(0.002, 0.0002, 0.0001, {"good": 0.95, "poor": 0.4}, cs=0.0005)
     c0, cr, cd, cs = cut.cost()
-    assert abs(cd - 0.0001) < 0.00003 and abs(cr - 0.0002) < 0.00005 and abs(cs - 0.0005) < 0.0003, (c0, cr, cd, cs)
+    # What the decisions read: a drafted token's cost, and whole steps' (a window of about 50
+    # steps with one plain step in 16 leaves c0 and cs apart only to about half a millisecond).
+    assert abs(cd - 0.0001) < 0.00003, (c0, cr, cd, cs)
+    for b, d in ((64, 0), (64, 300), (16, 60)):
+        true = 0.002 + 0.0002 * b + 0.0001 * d + (0.0005 if d else 0.0)
+        assert abs(c0 + cr * b + cd * d + (cs if d else 0.0) - true) < 0.1 * true, (b, d, (c0, cr, cd, cs))
     theta = cut.threshold(64)  # 0.0064 / (0.002 + 0.0128): about 0.43
     assert 0.35 < theta < 0.5
     cut.steps = 1  # past the probes
-    full = dict(zip(src, cut.lengths(64, src, [8] * 64)))
+    full = dict(zip(src, cut.lengths(64, src, [8] * 64, np.ones((64, 8)))))
     assert full["good"] >= 2 and full["poor"] == 0, full
     cut.steps = 1
-    tail = dict(zip(src[:4], cut.lengths(4, src[:4], [8] * 4)))
+    tail = dict(zip(src[:4], cut.lengths(4, src[:4], [8] * 4, np.ones((4, 8)))))
     assert tail["good"] >= full["good"] and tail["poor"] >= 1, (tail, full)  # theta(4) is about 0.29
     cut, src, _ = _drive_cutoff(0.030, 0.00002, 0.00002, {"good": 0.95, "poor": 0.6})
     cut.steps = 1
-    cheap = dict(zip(src, cut.lengths(64, src, [8] * 64)))  # theta about 0.04: q = 0.6^6 still pays
+    cheap = dict(zip(src, cut.lengths(64, src, [8] * 64, np.ones((64, 8)))))  # theta about 0.04: q = 0.6^6 still pays
     assert cheap["good"] == 8 and cheap["poor"] >= 5, cheap
+
+
+def test_the_draft_cutoff_ends_each_draft_where_its_tokens_confidence_falls():
+    """Acceptance follows a token's confidence (its share of the index's continuations), not its
+    position: rows whose drafts hold their confidence for a varying number of tokens keep
+    exactly those, at whatever depth the confidence falls (a position-only model keeps one depth
+    for all)."""
+    def confident(rng):  # 1.0 for the first m tokens, then a split continuation
+        m = rng.randint(1, 7)
+        return [1.0] * m + [0.3] * (8 - m)
+
+    accept = {"history": lambda c: 0.97 if c > 0.9 else 0.3}
+    cut, src, _ = _drive_cutoff(0.002, 0.0002, 0.0001, accept, confident=confident)
+    assert 0.35 < cut.threshold(64) < 0.5  # 1.1 x about 0.43: 0.97^m pays, 0.97^m x 0.3 does not
+    cut.steps = 1  # past the probes
+    rng = random.Random(5)
+    conf = np.array([confident(rng) for _ in range(64)])
+    keep = cut.lengths(64, src, [8] * 64, conf)
+    assert keep == [int((c > 0.9).sum()) for c in conf], keep
 
 
 def test_a_draft_that_merely_breaks_even_is_not_drafted():
@@ -275,7 +302,7 @@ def test_a_draft_that_merely_breaks_even_is_not_drafted():
     for margin, drafts in ((1.0, True), (None, False)):  # None: the default margin
         cut, src, _ = _drive_cutoff(0.002, 0.0002, 0.0002, {"even": 0.9}, **({} if margin is None else {"margin": margin}))
         cut.steps = 1  # past the probes
-        assert (sum(cut.lengths(64, src, [8] * 64)) > 0) == drafts, (margin, cut.threshold(64), cut.reach("even")[:2])
+        assert (sum(cut.lengths(64, src, [8] * 64, np.ones((64, 8)))) > 0) == drafts, (margin, cut.threshold(64), cut.acceptance("even")[-1])
 
 
 @pytest.mark.parametrize("accept, cs, drafts", [
@@ -297,19 +324,19 @@ def test_a_probe_step_drafts_whole_lengths_on_a_rotating_share_of_the_rows():
     probes = []
     for lap in (1, 2):
         cut.steps = lap * cut.probe_every  # the next call is a probe
-        probes.append(cut.lengths(64, src, [8] * 64))
+        probes.append(cut.lengths(64, src, [8] * 64, np.ones((64, 8))))
     for got in probes:
         assert sorted(set(got)) == [0, 8] and got.count(8) == 16, got  # one row in 4
     assert probes[0] != probes[1]  # another share of the rows each time
     cut.steps = 1
-    assert sum(cut.lengths(64, src, [8] * 64)) == 0  # between probes: not worth drafting
+    assert sum(cut.lengths(64, src, [8] * 64, np.ones((64, 8)))) == 0  # between probes: not worth drafting
 
 
 def test_the_draft_cutoff_drafts_everything_until_it_has_measured_the_engine():
     from rhymerl.vllm.draft_cutoff import DraftCutoff
 
     cut = DraftCutoff(6)
-    first = [cut.lengths(32, ["siblings", None], [6, 4]) for _ in range(4)]  # nothing, whole, half, whole
+    first = [cut.lengths(32, ["siblings", None], [6, 4], np.ones((2, 6))) for _ in range(4)]  # nothing, whole, half, whole
     assert first == [[6, 4], [3, 3], [6, 4], [0, 0]] and cut.cost() is None
     for _ in range(20):  # rows and drafts never vary apart: their costs cannot be told apart
         cut.observe_step(32, 64, 0.01)

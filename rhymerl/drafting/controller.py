@@ -91,7 +91,9 @@ class SpecController(Proposer):
     method when not given), behind a :class:`Gate`."""
 
     def __init__(self, cfg: SpecConfig | None = None, store=None, *, target=None, target_path: str | None = None,
-                 sources: list[DraftSource] | None = None, rule: str | None = None) -> None:
+                 sources: list[DraftSource] | None = None, rule: str | None = None,
+                 with_probs: bool = False) -> None:
+        """``with_probs``: keep each draft's node probabilities for :meth:`row_probs` under any rule."""
         self.cfg = cfg = cfg or SpecConfig()
         self.store = store
         if sources is None:
@@ -106,6 +108,7 @@ class SpecController(Proposer):
         self._names = tuple(src.name for src in sources)
         self.rule = rule or "longest_match"
         self._wants_probs = self.rule == "best_expected"  # the only rule that reads drafts' probabilities
+        self._with_probs = with_probs or self._wants_probs
         policy = resolve(cfg.length_policy)
         if policy not in POLICIES:
             raise ValueError(f"speculative.length_policy {cfg.length_policy!r} is not one of {['auto'] + sorted(POLICIES)}")
@@ -226,7 +229,7 @@ class SpecController(Proposer):
             src_a, len_a, tok_a, par_a, dep_a, probs = longest_match_drafts(
                 cols, [s.merge_ties for s in col_sources], [s.fallback for s in col_sources],
                 [s.output_ids for s in seqs], [s.prompt_ids for s in seqs], caps, cfg.pattern_max,
-                cfg.pattern_min, cfg.min_prob, cfg.tree_budget, self._wants_probs or bool(options))
+                cfg.pattern_min, cfg.min_prob, cfg.tree_budget, self._with_probs or bool(options))
             lengths = len_a.tolist()
             if any(lengths):
                 batch = DraftBatch(torch.from_numpy(tok_a), torch.from_numpy(par_a), torch.from_numpy(dep_a),
@@ -264,6 +267,11 @@ class SpecController(Proposer):
     def row_sources(self) -> list[str | None]:
         """Each row's draft source in the batch ``propose`` just returned (None: no draft)."""
         return list(self._pending[2]) if self._pending is not None else []
+
+    def row_probs(self) -> Any:
+        """Each row's node probabilities in the batch ``propose`` just returned (a row per row;
+        built with ``with_probs``, else None)."""
+        return self._pending[3] if self._pending is not None else None
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         if self.gate.resting:  # a quiet step (applied when the gate wakes), or a dormant rollout

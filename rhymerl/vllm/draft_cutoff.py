@@ -15,10 +15,12 @@ so on a compute-bound step (a CPU, a large GPU batch) only near-certain tokens a
 a drained tail or a memory-bound GPU decode (``c0`` large) almost any are. Both this rule and the
 step's below ask a draft to pay ``margin`` times its cost (1.1, as the native gate): a token that
 merely breaks even by a fit of noisy step times is as likely to lose, and never slower is the
-promise. ``q`` at draft position
-``j`` is the product of the acceptance measured at positions ``1..j`` for drafts from the same
-source (siblings, the prompt's history, every prompt's). The step then drafts only if the tokens
-its kept drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs``
+promise. ``q`` at draft position ``j`` is the product, over positions ``1..j``, of the
+acceptance measured for drafted tokens of the same source (siblings, the prompt's history, every
+prompt's) and the same confidence: the token's share of the continuations the index saw after
+its context, in tenths. A token every earlier response continued with and one half of them did
+are accepted at different rates; the position adds little once that share is known (design.md,
+"vLLM cutoff"). The step then drafts only if the tokens its kept drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs``
 plus their verification: otherwise it runs as plain decoding would.
 
 Until the costs are fitted, steps cycle through drafting nothing, whole lengths and half lengths
@@ -31,6 +33,17 @@ compute-bound.
 from __future__ import annotations
 
 import numpy as np
+
+
+BUCKETS = 10  # a drafted token's confidence (its share of the index's continuations), in tenths
+
+
+def token_confidence(path_probs: np.ndarray) -> np.ndarray:
+    """Each drafted token's share of the continuations after its context, from the index's path
+    probabilities (the product of those shares up to each token; 0 past a row's draft)."""
+    p = np.asarray(path_probs, dtype=np.float64)
+    prev = np.concatenate([np.ones((p.shape[0], 1)), p[:, :-1]], axis=1)
+    return np.divide(p, prev, out=np.zeros_like(p), where=prev > 0)
 
 
 class DraftCutoff:
@@ -46,7 +59,7 @@ class DraftCutoff:
         self._xx = np.zeros((4, 4))
         self._xy = np.zeros(4)
         self._n = 0.0
-        # per source, per draft position: decayed counts of drafts that reached it and that it accepted
+        # per source, per confidence bucket: decayed counts of drafted tokens verification reached and accepted
         self._prior = (prior_accept * prior_weight, prior_weight)
         self._reached: dict[str | None, np.ndarray] = {}
         self._accepted: dict[str | None, np.ndarray] = {}
@@ -60,27 +73,33 @@ class DraftCutoff:
         self._xy = d * self._xy + x * seconds
         self._n = d * self._n + 1.0
 
-    def observe_drafts(self, sources: list[str | None], drafted: list[int], accepted: list[int]) -> None:
+    def observe_drafts(self, sources: list[str | None], drafted: list[int], accepted: list[int],
+                       confidence: np.ndarray) -> None:
         """Per row: its draft's source, tokens drafted, tokens accepted (verification reached
-        positions ``1..accepted+1``, accepted ``1..accepted``)."""
+        positions ``1..accepted+1``, accepted ``1..accepted``) and its offered tokens'
+        confidences (:func:`token_confidence`, a row per row)."""
         d = self.decay
         for arr in (*self._reached.values(), *self._accepted.values()):
             arr *= d
         n = np.asarray(drafted, dtype=np.int64)
+        if not n.any():
+            return
         a = np.minimum(np.asarray(accepted, dtype=np.int64), n)
-        src = np.asarray([hash(x) for x in sources], dtype=np.int64)
+        bucket = _buckets(confidence, int(n.max()))
+        pos = np.arange(bucket.shape[1])
+        reached = pos[None, :] < np.minimum(n, a + 1)[:, None]
+        acc = pos[None, :] < a[:, None]
         for name in {x for x, k in zip(sources, drafted) if k > 0}:
-            rows = (src == hash(name)) & (n > 0)
-            reached, acc = self._counts(name)
-            # a row reached positions 1..min(n, a+1) and accepted 1..a: counts per position from
-            # how many rows went at least that far
-            reached += _at_least(np.minimum(n[rows], a[rows] + 1), self.k)
-            acc += _at_least(a[rows], self.k)
+            rows = np.fromiter((x == name for x in sources), bool, len(sources)) & (n > 0)
+            r_counts, a_counts = self._counts(name)
+            b = bucket[rows]
+            r_counts += np.bincount(b[reached[rows]], minlength=BUCKETS)
+            a_counts += np.bincount(b[acc[rows]], minlength=BUCKETS)
 
     def _counts(self, src: str | None) -> tuple[np.ndarray, np.ndarray]:
         if src not in self._reached:
-            self._reached[src] = np.zeros(self.k)
-            self._accepted[src] = np.zeros(self.k)
+            self._reached[src] = np.zeros(BUCKETS)
+            self._accepted[src] = np.zeros(BUCKETS)
         return self._reached[src], self._accepted[src]
 
     # --- what it decides -------------------------------------------------------------------------
@@ -105,16 +124,25 @@ class DraftCutoff:
         (0: draft everything, while the cost is not yet measured)."""
         return _theta(self.cost(), rows)
 
-    def reach(self, src: str | None) -> np.ndarray:
-        """``q`` per draft position for ``src``'s drafts: the chance verification accepts every
-        token up to it (measured, with a prior)."""
+    def acceptance(self, src: str | None) -> np.ndarray:
+        """Per confidence bucket: the chance verification accepts a ``src`` token it reaches
+        (measured, with a prior)."""
         reached, acc = self._counts(src)
         pa, pw = self._prior
-        return np.cumprod((acc + pa) / (reached + pw))
+        return (acc + pa) / (reached + pw)
 
-    def lengths(self, rows: int, sources: list[str | None], available: list[int]) -> list[int]:
-        """How many of its ``available`` draft tokens each row (drafting from ``sources[i]``)
-        keeps on this step; all zero when the step should run as plain decoding."""
+    def reach(self, sources: list[str | None], confidence: np.ndarray, width: int) -> np.ndarray:
+        """``q`` per row and draft position (``width`` of them): the chance verification accepts
+        every token of the row's draft up to it."""
+        names = sorted(set(sources), key=str)
+        table = np.stack([self.acceptance(x) for x in names])
+        row = np.fromiter((names.index(x) for x in sources), np.int64, len(sources))
+        return np.cumprod(table[row[:, None], _buckets(confidence, width)], axis=1)
+
+    def lengths(self, rows: int, sources: list[str | None], available: list[int], confidence: np.ndarray) -> list[int]:
+        """How many of its ``available`` draft tokens each row (drafting from ``sources[i]``, its
+        tokens' ``confidence`` a row per row) keeps on this step; all zero when the step should
+        run as plain decoding."""
         self.steps += 1
         k = self.k
         fit = self.cost()
@@ -123,24 +151,29 @@ class DraftCutoff:
             return [0] * len(available)
         if fit is None:  # not measured yet: whole and half lengths, so drafted tokens vary apart from rows
             return [min(a, max(1, k // 2)) for a in available] if phase == 2 else list(available)
-        keep = self._keep(fit, rows, sources, available)
+        keep = self._keep(fit, rows, sources, available, confidence)
         if phase == 1:  # whole lengths on a rotating share of the rows: acceptance deep in drafts stays measured
             lap = self.steps // self.probe_every
             keep = [a if (i + lap) % self.probe_share == 0 else n for i, (a, n) in enumerate(zip(available, keep))]
         return keep
 
     def _keep(self, fit: tuple[float, float, float, float], rows: int, sources: list[str | None],
-              available: list[int]) -> list[int]:
+              available: list[int], confidence: np.ndarray) -> list[int]:
         c0, cr, cd, cs = fit
+        width = max(available, default=0)
+        if width == 0:
+            return [0] * len(available)
         theta = self.margin * _theta(fit, rows)
-        reach = {src: self.reach(src) for src in set(sources)}
-        keep = [min(a, int(np.count_nonzero(reach[src] >= theta))) for src, a in zip(sources, available)]
-        gain = sum(float(reach[src][:n].sum()) for src, n in zip(sources, keep) if n)  # expected accepted tokens
+        q = self.reach(sources, confidence, width)
+        offered = np.arange(width)[None, :] < np.asarray(available)[:, None]
+        pays = (q >= theta) & offered  # a prefix of each row: q only falls along a draft
+        keep = pays.sum(axis=1)
+        gain = float(q[pays].sum())  # expected accepted tokens
         plain_per_token = (c0 + cr * rows) / max(1, rows)
-        drafted = sum(keep)
+        drafted = int(keep.sum())
         if drafted == 0 or gain * plain_per_token <= self.margin * (cs + cd * drafted):
             return [0] * len(available)
-        return keep
+        return keep.tolist()
 
 
 def _theta(fit: tuple[float, float, float, float] | None, rows: int) -> float:
@@ -152,7 +185,9 @@ def _theta(fit: tuple[float, float, float, float] | None, rows: int) -> float:
     return 1.0 if plain <= 0 else cd * rows / plain
 
 
-def _at_least(depths: np.ndarray, k: int) -> np.ndarray:
-    """Per position j (0-based, < k): how many of ``depths`` are > j."""
-    hist = np.bincount(np.minimum(depths, k), minlength=k + 1)
-    return hist[::-1].cumsum()[::-1][1:]
+def _buckets(confidence: np.ndarray, width: int) -> np.ndarray:
+    """Each token's confidence bucket (``BUCKETS`` of them), ``width`` positions per row (0 past
+    what ``confidence`` holds)."""
+    c = np.asarray(confidence, dtype=np.float64)
+    c = c[:, :width] if c.shape[1] >= width else np.pad(c, ((0, 0), (0, width - c.shape[1])))
+    return np.minimum((c * BUCKETS).astype(np.int64), BUCKETS - 1)

@@ -52,7 +52,7 @@ from rhymerl.drafting.length_policy import resolve
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 from rhymerl.rollout_engines import get_engine, unsupported
-from rhymerl.vllm.draft_cutoff import DraftCutoff
+from rhymerl.vllm.draft_cutoff import DraftCutoff, token_confidence
 from rhymerl.vllm.shared_history import SharedHistory
 
 log = logging.getLogger(__name__)
@@ -134,11 +134,12 @@ class HistoSpecProposer:
         self.cutoff = DraftCutoff(self.k) if self.cfg.gate else None
         self._t_end: float | None = None  # when the last propose call returned (vLLM's step runs between)
         self._verified = (0, 0)  # what the step after the last call verified: its rows, their drafted tokens
-        self.controller = SpecController(self.cfg.with_(gate=False), self.store)  # the cutoff gates here
+        # The cutoff gates here, from each drafted token's confidence (the index's probabilities).
+        self.controller = SpecController(self.cfg.with_(gate=False), self.store, with_probs=self.cutoff is not None)
         self.runner = runner if runner is not None else _find_runner()
         self._seqs: dict[str, Sequence] = {}
         self._groups = _Groups()
-        self._last: tuple[list[Sequence], list[str], list[int], list] | None = None  # rows drafted last step
+        self._last: tuple[list[Sequence], list[str], list[int], list, Any] | None = None  # rows drafted last step
         self._began = False  # a rhymerl trainer labels rollouts with its steps (begin)
         self._sampler_ok: bool | None = None  # the rejection sampler's expansion probed correct here
         self.propose_s = 0.0  # time inside propose (vLLM's step waits for it)
@@ -216,14 +217,15 @@ class HistoSpecProposer:
             return out
         lengths, toks = batch.lengths, batch.tokens.tolist()
         sources = self.controller.row_sources()
-        keep = self.cutoff.lengths(len(req_ids), sources, lengths) if self.cutoff is not None else lengths
+        confidence = token_confidence(self.controller.row_probs()) if self.cutoff is not None else None
+        keep = self.cutoff.lengths(len(req_ids), sources, lengths, confidence) if self.cutoff is not None else lengths
         safe_at_temperature = self._sampler_is_correct()
         drafted = []
         for b, i in enumerate(rows):
             d = keep[b] if safe_at_temperature or seqs[b].params.temperature == 0 else 0
             out[i] = toks[b][:d]
             drafted.append(d)
-        self._last = (seqs, [req_ids[i] for i in rows], drafted, sources)
+        self._last = (seqs, [req_ids[i] for i in rows], drafted, sources, confidence)
         self._verified = (len(req_ids), sum(drafted))
         return out
 
@@ -288,13 +290,13 @@ class HistoSpecProposer:
         ``d`` tokens and emits ``m`` tokens now accepted ``m - 1`` of them."""
         if self._last is None:
             return
-        seqs, rids, drafted, sources = self._last
+        seqs, rids, drafted, sources, confidence = self._last
         self._last = None
         emitted = {rid: len(t) for rid, t in zip(req_ids, sampled_token_ids)}
         accepted = [min(d, max(0, emitted.get(rid, 1) - 1)) if d else 0 for rid, d in zip(rids, drafted)]
         self.controller.observe(seqs, drafted, accepted)
         if self.cutoff is not None:
-            self.cutoff.observe_drafts(sources, drafted, accepted)
+            self.cutoff.observe_drafts(sources, drafted, accepted, confidence)
 
 
 class _Groups:
