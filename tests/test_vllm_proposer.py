@@ -500,3 +500,13 @@ def test_verls_engine_kwargs_reach_the_proposer_through_vllms_command_line(model
     cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     assert (cfg.speculative_config.method, cfg.speculative_config.num_speculative_tokens) == ("custom_class", 8)
     assert cfg.additional_config["rhymerl"] == {"history_dir": "/shared/histospec"}
+
+
+def test_the_bench_compares_a_method_with_vllms_suffix_round_by_round():
+    """A method against ``suffix`` is the median of their ratios within each round (timed one
+    after the other), not the ratio of two medians taken over rounds that drifted apart."""
+    from rhymerl.bench.vllm_spec import _paired
+
+    ours, peer = [1.0, 2.0, 1.5], [0.9, 1.9, 1.0]  # medians 1.5 and 1.0; ratios 1.11, 1.05, 1.5
+    got = _paired(ours, peer, "vs_suffix")
+    assert got == {"vs_suffix": 1.111, "vs_suffix_lo": 1.053, "vs_suffix_hi": 1.5}, got

@@ -37,6 +37,7 @@ METHODS: dict[str, SpecConfig] = {
     "history": SpecConfig(method="history", index_draft_tokens=8),
     "history_ungated": SpecConfig(method="history", index_draft_tokens=8, gate=False),
 }
+PEER = "suffix"  # vLLM's own method the others are compared with round by round (vs_suffix columns)
 
 
 @dataclass
@@ -110,8 +111,9 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
     for row in rows:
         row.update(batch=batch, top_p=top_p)
     print_table(rows, ["engine", "method", "batch", "epoch", "temperature", "top_p", "rounds", "accepted_per_forward",
-                       "drafted_per_forward", "tok_s", "speedup", "speedup_lo", "speedup_hi", "accuracy", "mean_len",
-                       "greedy_identical", "lossless_pvalue", "propose_share"])
+                       "drafted_per_forward", "tok_s", "speedup", "speedup_lo", "speedup_hi", "vs_" + PEER,
+                       "vs_" + PEER + "_lo", "vs_" + PEER + "_hi", "accuracy", "mean_len", "greedy_identical",
+                       "lossless_pvalue", "propose_share"])
     write_report(rows, json_path, {"model": model, "prompts": prompts, "n": n, "max_tokens": max_tokens,
                                    "rounds": rounds, "top_p": top_p})
     return rows
@@ -198,7 +200,16 @@ def _epoch_rounds(plain, engines: dict, cohorts: list[Cohort], params, epoch: in
         c = counts[row["method"]]
         row.update(rounds=len(cohorts), speedup=round(float(np.median(got)), 3), speedup_lo=round(got[0], 3),
                    speedup_hi=round(got[-1], 3), accepted_per_forward=round(c[0] / max(1, c[1]), 3))
+        if PEER in speed and row["method"] not in ("none", PEER):
+            row.update(_paired(speed[row["method"]], speed[PEER], "vs_" + PEER))
     return out
+
+
+def _paired(ours: list[float], peer: list[float], name: str) -> dict[str, float]:
+    """A method's speed over ``peer``'s, round by round (both timed in the same round, one after
+    the other): the median and range of the per-round ratios."""
+    got = sorted(a / b for a, b in zip(ours, peer))
+    return {name: round(float(np.median(got)), 3), name + "_lo": round(got[0], 3), name + "_hi": round(got[-1], 3)}
 
 
 def _count(acc: list[int], got, drafted: int) -> None:
