@@ -19,6 +19,13 @@ def write_report(rows: list[dict[str, Any]], path: str | None, extra: dict[str, 
     return report
 
 
+def paired_ratio(ours: list[float], base: list[float]) -> tuple[float, float, float]:
+    """``ours`` over ``base`` round by round (both timed in the same round, one after the other, so
+    the machine's drift falls on both): the median and range of the per-round ratios."""
+    got = sorted(a / b for a, b in zip(ours, base))
+    return float(np.median(got)), got[0], got[-1]
+
+
 def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from rhymerl.bench.common import print_table, write_report
+from rhymerl.bench.common import paired_ratio, print_table, write_report
 from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.sample_stats import same_distribution
@@ -206,10 +206,9 @@ def _epoch_rounds(plain, engines: dict, cohorts: list[Cohort], params, epoch: in
 
 
 def _paired(ours: list[float], peer: list[float], name: str) -> dict[str, float]:
-    """A method's speed over ``peer``'s, round by round (both timed in the same round, one after
-    the other): the median and range of the per-round ratios."""
-    got = sorted(a / b for a, b in zip(ours, peer))
-    return {name: round(float(np.median(got)), 3), name + "_lo": round(got[0], 3), name + "_hi": round(got[-1], 3)}
+    """A method's speed over ``peer``'s in the same rounds (:func:`paired_ratio`)."""
+    mid, lo, hi = paired_ratio(ours, peer)
+    return {name: round(mid, 3), name + "_lo": round(lo, 3), name + "_hi": round(hi, 3)}
 
 
 def _count(acc: list[int], got, drafted: int) -> None:
