@@ -517,6 +517,40 @@ def test_global_fallback_drafts_from_other_prompts(fallback):
     assert draft is not None and draft.tokens[0] == 30
 
 
+def test_the_index_over_every_prompt_appends_new_rollouts_without_a_pass_over_the_store():
+    """A rollout recorded while a vLLM engine runs (every few steps) is appended from the store's
+    log of additions, not by a pass over every prompt stored; a store whose contents were
+    replaced, or whose log was cut past the index's cursor, is read whole."""
+    from rhymerl.drafting.history_sources import GlobalHistorySource
+    from rhymerl.drafting.source import SourceContext
+    from rhymerl.drafting import SpecConfig
+
+    class NoPass(dict):
+        def items(self):
+            raise AssertionError("a pass over every prompt")
+
+    store = HistoryStore(max_rollouts=1)
+    for i in range(50):
+        store.add(f"p{i}", [1, i], [[i, i + 1, i + 2]], step=1)
+    src = GlobalHistorySource(SourceContext(SpecConfig(), store, None, None))
+    assert src.index() is not None and src._tokens == 150
+    store.prompts = NoPass(store.prompts)
+    store.add("new", [1, 2], [[7, 8, 9, 10]], step=1)
+    store.add("p3", [1, 3], [[4, 4]], step=2)  # a prompt's next epoch (its first is dropped: one kept)
+    src.index()
+    assert src._tokens == 156 and src._steps["p3"] == 2
+    store.prompts = dict(store.prompts)
+    other = HistoryStore(max_rollouts=1)
+    other.add("q", [1], [[5, 6]], step=1)
+    cursor = store.log_end()
+    store.replace_with(other)
+    assert store.added_since(cursor) is None  # replaced: read whole
+    for step in range(3, 3000):  # one prompt, many epochs: the log is cut, the store stays small
+        store.add("q", [1], [[5, 6]], step=step)
+    assert len(store._log) < 2000 and store.added_since(cursor + 5) is None
+    assert store.added_since(store.log_end() - 1) == [("q", 2999)]
+
+
 def test_siblings_draft_from_tokens_emitted_and_requests_admitted_since_the_last_step():
     """Live indices follow the sequences' outputs and are brought up to date once per
     drafting step (``sync``); requests admitted later get their own."""

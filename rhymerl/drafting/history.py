@@ -56,6 +56,10 @@ class HistoryStore:
         self.total_tokens = 0
         self.version = 0  # bumps on every change; drafters rebuild indices lazily
         self._revisions = 0  # store-wide and monotonic: the source of every PromptHistory.revision
+        # (key, step) of every rollout added, in order, so an index over all prompts appends what is
+        # new without a pass over every prompt; entry i sits at position _log_base + i
+        self._log: list[tuple[str, int]] = []
+        self._log_base = 0
 
     def _touch(self, h: PromptHistory) -> None:
         self._revisions += 1
@@ -82,6 +86,11 @@ class HistoryStore:
         else:
             h.rollouts.append(r)
             self._order[(key, step)] = None
+            self._log.append((key, step))
+            if len(self._log) > 2 * len(self._order) + 1024:  # cursors older than the kept half read everything
+                cut = len(self._log) // 2
+                del self._log[:cut]
+                self._log_base += cut
             self.total_tokens += r.num_tokens
             while len(h.rollouts) > self.max_rollouts:
                 self._drop(key, h.rollouts[0].step)
@@ -108,6 +117,18 @@ class HistoryStore:
         self._order.pop((key, step), None)
         if not h.rollouts:
             del self.prompts[key]
+
+    def log_end(self) -> int:
+        """A cursor past every rollout added so far (for :meth:`added_since`)."""
+        return self._log_base + len(self._log)
+
+    def added_since(self, cursor: int) -> list[tuple[str, int]] | None:
+        """``(key, step)`` of the rollouts added since ``cursor`` (from :meth:`log_end`), oldest
+        first; None when the log no longer reaches back that far or the contents were replaced
+        (read every prompt)."""
+        if cursor < self._log_base:
+            return None
+        return self._log[cursor - self._log_base:]
 
     def next_step(self, key: str) -> int:
         """The label of a new rollout of ``key`` with no step of its own: one past its newest."""
@@ -144,6 +165,8 @@ class HistoryStore:
         self.prompt_tail = other.prompt_tail
         self.tokenizer_fingerprint = other.tokenizer_fingerprint or self.tokenizer_fingerprint
         self.prompts, self._order, self.total_tokens = other.prompts, other._order, other.total_tokens
+        self._log_base += len(self._log) + 1  # every cursor now reads everything
+        self._log = []
         # Revisions continue past both stores' so no cached index can match a taken-over prompt.
         self._revisions = max(self._revisions, other._revisions)
         for h in self.prompts.values():

@@ -96,6 +96,7 @@ class GlobalHistorySource(IndexSource):
         self._steps: dict[str, int] = {}  # prompt key -> newest rollout step in the index
         self._version = -1
         self._tokens = 0
+        self._cursor = -1  # the store's log read up to here (HistoryStore.added_since)
         self.build_s = 0.0
 
     def index(self) -> SuffixIndex | None:
@@ -108,15 +109,21 @@ class GlobalHistorySource(IndexSource):
             return self._idx if self._idx is not None and len(self._idx) else None
         t0 = time.perf_counter()
         if self._idx is None or self._tokens > 2 * st.total_tokens + 4096:
-            self._idx, self._tokens, self._steps = SuffixIndex(), 0, {}
-        for key, h in st.prompts.items():
-            newest = self._steps.get(key, -1)
+            self._idx, self._tokens, self._steps, self._cursor = SuffixIndex(), 0, {}, -1
+        new = st.added_since(self._cursor)
+        if new is None:  # every prompt's rollouts (a new index, or a store whose log moved on)
+            new = [(key, r.step) for key, h in st.prompts.items() for r in h.rollouts]
+        for key, step in new:
+            h = st.prompts.get(key)
+            if h is None or step <= self._steps.get(key, -1):
+                continue
             for r in h.rollouts:
-                if r.step > newest:
+                if r.step == step:
                     for resp in r.responses:
                         self._idx.add(resp, 1.0, True)
                         self._tokens += len(resp)
-                    self._steps[key] = r.step
+            self._steps[key] = step
+        self._cursor = st.log_end()
         self._version = st.version
         self.build_s += time.perf_counter() - t0
         return self._idx if len(self._idx) else None

@@ -59,10 +59,12 @@ class DraftCutoff:
         self._xx = np.zeros((4, 4))
         self._xy = np.zeros(4)
         self._n = 0.0
-        # per source, per confidence bucket: decayed counts of drafted tokens verification reached and accepted
+        # per source (a row of each table), per confidence bucket: decayed counts of drafted tokens
+        # verification reached and accepted
         self._prior = (prior_accept * prior_weight, prior_weight)
-        self._reached: dict[str | None, np.ndarray] = {}
-        self._accepted: dict[str | None, np.ndarray] = {}
+        self._source_row: dict[str | None, int] = {}
+        self._reached = np.zeros((0, BUCKETS))
+        self._accepted = np.zeros((0, BUCKETS))
 
     # --- what the proposer measures ------------------------------------------------------------
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
@@ -78,29 +80,27 @@ class DraftCutoff:
         """Per row: its draft's source, tokens drafted, tokens accepted (verification reached
         positions ``1..accepted+1``, accepted ``1..accepted``) and its offered tokens'
         confidences (:func:`token_confidence`, a row per row)."""
-        d = self.decay
-        for arr in (*self._reached.values(), *self._accepted.values()):
-            arr *= d
+        self._reached *= self.decay
+        self._accepted *= self.decay
         n = np.asarray(drafted, dtype=np.int64)
         if not n.any():
             return
         a = np.minimum(np.asarray(accepted, dtype=np.int64), n)
         bucket = _buckets(confidence, int(n.max()))
         pos = np.arange(bucket.shape[1])
-        reached = pos[None, :] < np.minimum(n, a + 1)[:, None]
-        acc = pos[None, :] < a[:, None]
-        for name in {x for x, k in zip(sources, drafted) if k > 0}:
-            rows = np.fromiter((x == name for x in sources), bool, len(sources)) & (n > 0)
-            r_counts, a_counts = self._counts(name)
-            b = bucket[rows]
-            r_counts += np.bincount(b[reached[rows]], minlength=BUCKETS)
-            a_counts += np.bincount(b[acc[rows]], minlength=BUCKETS)
+        # a cell per (row, position): its table row and bucket, flattened into one index
+        cell = self._rows(sources)[:, None] * BUCKETS + bucket
+        np.add.at(self._reached.reshape(-1), cell[pos[None, :] < np.minimum(n, a + 1)[:, None]], 1.0)
+        np.add.at(self._accepted.reshape(-1), cell[pos[None, :] < a[:, None]], 1.0)
 
-    def _counts(self, src: str | None) -> tuple[np.ndarray, np.ndarray]:
-        if src not in self._reached:
-            self._reached[src] = np.zeros(BUCKETS)
-            self._accepted[src] = np.zeros(BUCKETS)
-        return self._reached[src], self._accepted[src]
+    def _rows(self, sources: list[str | None]) -> np.ndarray:
+        """Each source's row in the tables (a new source gets one)."""
+        index = self._source_row
+        for src in set(sources) - index.keys():
+            index[src] = len(index)
+            self._reached = np.vstack([self._reached, np.zeros(BUCKETS)])
+            self._accepted = np.vstack([self._accepted, np.zeros(BUCKETS)])
+        return np.fromiter((index[x] for x in sources), np.int64, len(sources))
 
     # --- what it decides -------------------------------------------------------------------------
     def cost(self) -> tuple[float, float, float, float] | None:
@@ -127,17 +127,17 @@ class DraftCutoff:
     def acceptance(self, src: str | None) -> np.ndarray:
         """Per confidence bucket: the chance verification accepts a ``src`` token it reaches
         (measured, with a prior)."""
-        reached, acc = self._counts(src)
+        return self._table()[self._rows([src])[0]]
+
+    def _table(self) -> np.ndarray:
         pa, pw = self._prior
-        return (acc + pa) / (reached + pw)
+        return (self._accepted + pa) / (self._reached + pw)
 
     def reach(self, sources: list[str | None], confidence: np.ndarray, width: int) -> np.ndarray:
         """``q`` per row and draft position (``width`` of them): the chance verification accepts
         every token of the row's draft up to it."""
-        names = sorted(set(sources), key=str)
-        table = np.stack([self.acceptance(x) for x in names])
-        row = np.fromiter((names.index(x) for x in sources), np.int64, len(sources))
-        return np.cumprod(table[row[:, None], _buckets(confidence, width)], axis=1)
+        rows = self._rows(sources)
+        return np.cumprod(self._table()[rows[:, None], _buckets(confidence, width)], axis=1)
 
     def lengths(self, rows: int, sources: list[str | None], available: list[int], confidence: np.ndarray) -> list[int]:
         """How many of its ``available`` draft tokens each row (drafting from ``sources[i]``, its
