@@ -555,8 +555,8 @@ def run(json_path: str | None = None, *, quick: bool = False, traces: str | None
     print_table(rows, ["source", "trace", "engine", "workers", "speculation", "policy", "placement", "makespan_s",
                        "makespan_lo_s", "makespan_hi_s",
                        "bubble_fraction", "core_utilisation", "vs_even", "vs_oracle", "vs_prompt_oracle", "vs_least_loaded",
-                       "vs_least_loaded_lo", "vs_least_loaded_hi", "tail_share", "plan_s", "simulated_s", "sim_error", "share_error", "moved", "migrations", "steals",
-                       "samples_differ"])
+                       "vs_least_loaded_lo", "vs_least_loaded_hi", "tail_share", "plan_s", "simulated_s", "sim_error",
+                       "share_error", "moved", "migrations", "steals", "samples_differ"])
     return write_report(rows, json_path, {"length_rank_correlation": corrs.get("mean"),
                                            "length_rank_correlation_by_stat": corrs})
 

@@ -19,9 +19,10 @@ promise. ``q`` at draft position ``j`` is the product, over positions ``1..j``, 
 acceptance measured for drafted tokens of the same source (siblings, the prompt's history, every
 prompt's) and the same confidence: the token's share of the continuations the index saw after
 its context, in tenths. A token every earlier response continued with and one half of them did
-are accepted at different rates; the position adds little once that share is known (design.md,
-"vLLM cutoff"). The step then drafts only if the tokens its kept drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs``
-plus their verification: otherwise it runs as plain decoding would.
+are accepted at different rates; the position adds little once that share is known (docs/design.md,
+"Drafting only as far as it pays, inside vLLM"). The step then drafts only if the tokens its kept
+drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs`` plus their
+verification: otherwise it runs as plain decoding would.
 
 Until the costs are fitted, steps cycle through drafting nothing, whole lengths and half lengths
 (so rows, drafted tokens and the drafting step's fixed cost vary apart and can be told apart);
