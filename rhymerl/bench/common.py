@@ -19,11 +19,13 @@ def write_report(rows: list[dict[str, Any]], path: str | None, extra: dict[str, 
     return report
 
 
-def paired_ratio(ours: list[float], base: list[float]) -> tuple[float, float, float]:
+def paired_ratio(ours: list[float], base: list[float], name: str, digits: int | None = None) -> dict[str, float]:
     """``ours`` over ``base`` round by round (both timed in the same round, one after the other, so
-    the machine's drift falls on both): the median and range of the per-round ratios."""
+    the machine's drift falls on both): the median and range of the per-round ratios, as the
+    columns ``name``, ``name_lo`` and ``name_hi``."""
     got = sorted(a / b for a, b in zip(ours, base))
-    return float(np.median(got)), got[0], got[-1]
+    cols = {name: float(np.median(got)), name + "_lo": got[0], name + "_hi": got[-1]}
+    return cols if digits is None else {k: round(v, digits) for k, v in cols.items()}
 
 
 def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:

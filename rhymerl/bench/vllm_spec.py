@@ -201,14 +201,8 @@ def _epoch_rounds(plain, engines: dict, cohorts: list[Cohort], params, epoch: in
         row.update(rounds=len(cohorts), speedup=round(float(np.median(got)), 3), speedup_lo=round(got[0], 3),
                    speedup_hi=round(got[-1], 3), accepted_per_forward=round(c[0] / max(1, c[1]), 3))
         if PEER in speed and row["method"] not in ("none", PEER):
-            row.update(_paired(speed[row["method"]], speed[PEER], "vs_" + PEER))
+            row.update(paired_ratio(speed[row["method"]], speed[PEER], "vs_" + PEER, digits=3))
     return out
-
-
-def _paired(ours: list[float], peer: list[float], name: str) -> dict[str, float]:
-    """A method's speed over ``peer``'s in the same rounds (:func:`paired_ratio`)."""
-    mid, lo, hi = paired_ratio(ours, peer)
-    return {name: round(mid, 3), name + "_lo": round(lo, 3), name + "_hi": round(hi, 3)}
 
 
 def _count(acc: list[int], got, drafted: int) -> None:

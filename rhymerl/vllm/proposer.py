@@ -217,8 +217,10 @@ class HistoSpecProposer:
             return out
         lengths, toks = batch.lengths, batch.tokens.tolist()
         sources = self.controller.row_sources()
-        confidence = token_confidence(self.controller.row_probs()) if self.cutoff is not None else None
-        keep = self.cutoff.lengths(len(req_ids), sources, lengths, confidence) if self.cutoff is not None else lengths
+        confidence, keep = None, lengths
+        if self.cutoff is not None:
+            confidence = token_confidence(self.controller.row_probs())
+            keep = self.cutoff.lengths(len(req_ids), sources, lengths, confidence)
         safe_at_temperature = self._sampler_is_correct()
         drafted = []
         for b, i in enumerate(rows):
