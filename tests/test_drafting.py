@@ -84,6 +84,26 @@ def test_draft_path_follows_heaviest_branch_and_stops_below_min_prob(impl):
 
 
 @IMPLS
+def test_drafts_carry_each_tokens_support(impl):
+    """Beside each token's path probability, the weight of the continuations its context had:
+    what tells a token four responses agree on from one a single response shows."""
+    core = _impl(impl)
+    idx = core.SuffixIndex()
+    for seq in ([5, 6, 7, 1, 2, 3], [5, 6, 7, 1, 2, 4], [5, 6, 7, 1, 9, 9], [5, 6, 7, 8]):
+        idx.add(seq)
+    lone = core.SuffixIndex()
+    lone.add([5, 6, 7, 3, 3], 2.0)
+    for tree_budget, supports in ((0, [[4, 3, 2], [2, 2]]), (6, [[4, 3, 4, 3, 2, 2], [2, 2]])):
+        *_, probs, support = core.longest_match_drafts([[idx, lone]], [True], [False], [[5, 6, 7]] * 2, [[], []],
+                                                       [3, 2], 7, 3, 0.1, tree_budget)
+        got = [[float(x) for x in row[row > 0]] for row in support]
+        assert got == supports, (tree_budget, got)
+        assert probs.shape == support.shape
+    assert core.longest_match_drafts([[idx]], [True], [False], [[5, 6, 7]], [[]], [3], 7, 3, 0.1, 0,
+                                     with_probs=False)[5:] == (None, None)
+
+
+@IMPLS
 def test_draft_tree_best_first_under_budget(impl):
     core = _impl(impl)
     idx = core.SuffixIndex()

@@ -295,6 +295,27 @@ def test_the_draft_cutoff_ends_each_draft_where_its_tokens_confidence_falls():
     assert keep == [int((c > 0.9).sum()) for c in conf], keep
 
 
+def test_the_draft_cutoff_trusts_a_continuation_by_how_many_responses_showed_it():
+    """Every token below is the only continuation its context had (a share of 1), but the first
+    ``m`` were seen in sixteen responses and the rest in one, and the policy follows the lone one
+    less often: each row keeps its well-attested tokens, wherever they end (with shares alone all
+    look alike and every row keeps all or none)."""
+    from rhymerl.vllm.draft_cutoff import token_confidence
+
+    got = token_confidence(np.array([[1.0, 0.5, 0.0]]), np.array([[1.0, 4.0, 0.0]]))[0]
+    assert got.tolist() == pytest.approx([2 / 3, 0.5, 0.0])  # (s n + 1) / (n + 2); nothing past the draft
+
+    def attested(m):
+        return token_confidence(np.ones((1, 8)), np.array([[16.0] * m + [1.0] * (8 - m)]))[0]
+
+    accept = {"history": lambda c: 0.97 if c > 0.9 else 0.4}
+    cut, src, _ = _drive_cutoff(0.002, 0.0002, 0.0001, accept, confident=lambda rng: attested(rng.randint(1, 7)))
+    cut.steps = 1  # past the probes
+    rng = random.Random(5)
+    ms = [rng.randint(1, 7) for _ in range(64)]
+    assert cut.lengths(64, src, [8] * 64, np.array([attested(m) for m in ms])) == ms
+
+
 def test_a_draft_that_merely_breaks_even_is_not_drafted():
     """Drafted tokens must pay ``margin`` times their cost: at theta about 0.86 a source accepted
     90 % of the time breaks even by the fit, and drafting it on a compute-bound engine risks a

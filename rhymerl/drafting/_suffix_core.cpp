@@ -261,19 +261,22 @@ struct Scratch {
 };
 
 // Follow the heaviest child while the running probability stays >= min_prob, appending to
-// out / probs. Per level: tally the continuations' weights (first-seen order), then keep the
+// out / probs (and to support, when given: the weight of the continuations seen at each token's
+// context). Per level: tally the continuations' weights (first-seen order), then keep the
 // winner's occurrences in place.
 void draft_path_into(const std::vector<Occ>& occ, int max_len, double min_prob, Scratch& sc,
-                     std::vector<Tok>& out, std::vector<double>& probs) {
+                     std::vector<Tok>& out, std::vector<double>& probs, std::vector<double>* support = nullptr) {
   const size_t start = out.size();
   auto drafted = [&] { return int(out.size() - start); };
   if (occ.size() == 1) {  // one occurrence: its sequence, while it lasts (p stays 1)
     const Occ& o = occ[0];
     const auto& s = o.idx->seqs[o.sid];
     if (min_prob > 1.0) return;
+    const double w = o.idx->weights[o.sid];
     for (size_t q = size_t(o.pos); q < s.size() && drafted() < max_len; ++q) {
       out.push_back(s[q]);
       probs.push_back(1.0);
+      if (support) support->push_back(w);
     }
     return;
   }
@@ -314,6 +317,7 @@ void draft_path_into(const std::vector<Occ>& occ, int max_len, double min_prob, 
     const Tok t = tokens[j];
     out.push_back(t);
     probs.push_back(p);
+    if (support) support->push_back(total);
     size_t kept = 0;
     for (const Occ& o : cur) {
       const auto& s = o.idx->seqs[o.sid];
@@ -334,6 +338,7 @@ std::pair<std::vector<Tok>, std::vector<double>> draft_path(const Matches& m, in
 
 struct Pending {
   double p;
+  double support;  // the weight of the continuations seen at the node's context
   long counter;
   int parent;
   Tok tok;
@@ -351,7 +356,8 @@ struct Worse {
 // Best-first tree: repeatedly add the candidate node of highest estimated probability. Every
 // candidate's occurrences live in one arena (no allocation per node).
 std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>> draft_tree(const std::vector<Occ>& occ, int budget,
-                                                                               int max_depth, double min_prob) {
+                                                                               int max_depth, double min_prob,
+                                                                               std::vector<double>* support = nullptr) {
   std::vector<Tok> tokens;
   std::vector<int> parents;
   std::vector<double> probs;
@@ -395,7 +401,7 @@ std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>> draft_tree(c
         if (q < s.size() && s[q] == toks[k]) arena.push_back(o);
       }
       ++counter;
-      heap.push({cp, counter, node, toks[k], b0, arena.size(), depth + 1});
+      heap.push({cp, total, counter, node, toks[k], b0, arena.size(), depth + 1});
     }
   };
   push_children(-1, 0, arena.size(), 0, 1.0);
@@ -405,6 +411,7 @@ std::tuple<std::vector<Tok>, std::vector<int>, std::vector<double>> draft_tree(c
     tokens.push_back(top.tok);
     parents.push_back(top.parent);
     probs.push_back(top.p);
+    if (support) support->push_back(top.support);
     push_children(int(tokens.size()) - 1, top.begin, top.end, top.depth, top.p);
   }
   return {tokens, parents, probs};
@@ -602,7 +609,8 @@ PYBIND11_MODULE(_suffix_core, mod) {
             std::vector<size_t> offset(rows + 1, 0);
             std::vector<Tok> all_tok;  // every row's draft, one after another
             std::vector<int> all_par;
-            std::vector<double> all_prob;
+            std::vector<double> all_prob, all_sup;
+            std::vector<double>* sup = with_probs ? &all_sup : nullptr;
             const bool tree = tree_budget > 0;
             size_t width = 0;
             for (size_t i = 0; i < rows; ++i) {
@@ -612,12 +620,12 @@ PYBIND11_MODULE(_suffix_core, mod) {
                                     pattern_min, sc);
               if (k < 0) continue;
               if (tree) {
-                auto [t, p, q] = draft_tree(sc.best, std::min(tree_budget, std::max(caps[i], 1) * 2), caps[i], min_prob);
+                auto [t, p, q] = draft_tree(sc.best, std::min(tree_budget, std::max(caps[i], 1) * 2), caps[i], min_prob, sup);
                 all_tok.insert(all_tok.end(), t.begin(), t.end());
                 all_par.insert(all_par.end(), p.begin(), p.end());
                 all_prob.insert(all_prob.end(), q.begin(), q.end());
               } else {
-                draft_path_into(sc.best, caps[i], min_prob, sc, all_tok, all_prob);
+                draft_path_into(sc.best, caps[i], min_prob, sc, all_tok, all_prob, sup);
               }
               size_t n = all_tok.size() - offset[i];
               if (n == 0) continue;
@@ -628,13 +636,14 @@ PYBIND11_MODULE(_suffix_core, mod) {
             // One padded array per field for the whole batch: the engine scores it as it is.
             const auto W = py::ssize_t(width), R = py::ssize_t(rows);
             py::array_t<int64_t> src(R), len(R), tok({R, W}), par({R, W}), dep({R, W});
-            py::array_t<double> pr({R, with_probs ? W : py::ssize_t(0)});
+            py::array_t<double> pr({R, with_probs ? W : py::ssize_t(0)}), su({R, with_probs ? W : py::ssize_t(0)});
             auto s_ = src.mutable_unchecked<1>();
             auto l_ = len.mutable_unchecked<1>();
             auto t_ = tok.mutable_unchecked<2>();
             auto p_ = par.mutable_unchecked<2>();
             auto d_ = dep.mutable_unchecked<2>();
             auto q_ = pr.mutable_unchecked<2>();
+            auto u_ = su.mutable_unchecked<2>();
             for (py::ssize_t i = 0; i < R; ++i) {
               const size_t o = offset[size_t(i)];
               const py::ssize_t n = winner[size_t(i)] < 0 ? 0 : py::ssize_t(offset[size_t(i) + 1] - o);
@@ -646,18 +655,24 @@ PYBIND11_MODULE(_suffix_core, mod) {
                 int parent = !on ? -1 : tree ? all_par[o + size_t(j)] : int(j) - 1;
                 p_(i, j) = parent;
                 d_(i, j) = !on ? 0 : parent < 0 ? 1 : d_(i, parent) + 1;
-                if (with_probs) q_(i, j) = on ? all_prob[o + size_t(j)] : 0.0;
+                if (with_probs) {
+                  q_(i, j) = on ? all_prob[o + size_t(j)] : 0.0;
+                  u_(i, j) = on ? all_sup[o + size_t(j)] : 0.0;
+                }
               }
             }
-            return py::make_tuple(src, len, tok, par, dep, with_probs ? py::object(pr) : py::object(py::none()));
+            const py::object none = py::none();
+            return py::make_tuple(src, len, tok, par, dep, with_probs ? py::object(pr) : none,
+                                  with_probs ? py::object(su) : none);
           }, py::arg("per_source"), py::arg("merge"), py::arg("fallback"), py::arg("outputs"), py::arg("prompts"),
           py::arg("caps"), py::arg("pattern_max"), py::arg("pattern_min"), py::arg("min_prob"), py::arg("tree_budget"),
           py::arg("with_probs") = true,
           "The longest-match rule and the drafts, for a batch: per_source[k][i] is the index source k "
           "matches row i's context in, or the Matches it found itself, or None; rows with caps[i] <= 0 "
           "are not drafted. Returns numpy arrays (source [R] (-1: no draft), lengths [R], tokens, parents, "
-          "depths [R, W], node probabilities [R, W] or None without with_probs), W the longest draft; "
-          "past a row's length: token -1, parent -1, depth 0, probability 0.");
+          "depths [R, W], node probabilities [R, W] and supports [R, W] (the weight of the continuations "
+          "seen at each node's context), both None without with_probs), W the longest draft; past a "
+          "row's length: token -1, parent -1, depth 0, probability and support 0.");
 
   mod.def("draft_paths", [](const std::vector<const Matches*>& matches, const std::vector<int>& caps, double min_prob) {
             if (matches.size() != caps.size()) throw py::value_error("draft_paths: matches and caps differ in length");

@@ -132,9 +132,10 @@ class SpecController(Proposer):
         self._store_version = getattr(store, "version", None)
         self.calibration = Calibration()
         self.step = 0
-        # This step's batch, its drafts and each drafted row's (source, node probabilities): what
-        # observe() reads for the rows verification scored (the engine passes the same list).
-        self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any] | None = None
+        # This step's batch, its drafts and each drafted row's (source, node probabilities, node
+        # supports): what observe() reads for the rows verification scored (the engine passes
+        # the same list).
+        self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any, Any] | None = None
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
 
@@ -169,17 +170,17 @@ class SpecController(Proposer):
                 for s in seqs
                 for d, room in (((s.draft_len or first) if (s.draft_len or first) < cap else cap,
                                  s.limit - len(s.output_ids) - 1),)]
-        batch, names, probs = self._draft(seqs, caps, self._source_sets[choice.option], B.bit_length())
+        batch, names, probs, support = self._draft(seqs, caps, self._source_sets[choice.option], B.bit_length())
         lengths = batch.lengths if batch is not None else [0] * B
         k = self.gate.judge(lengths, sum(caps), time.perf_counter() - t0, found=batch is not None)
         if k == 0:
             return None
         batch = batch.truncated(k)
-        self._pending = (seqs, batch, names, probs)
+        self._pending = (seqs, batch, names, probs, support)
         return batch
 
     def _draft(self, seqs: list[Sequence], caps: list[int], sources: list[DraftSource],
-               bucket: int) -> tuple[DraftBatch | None, list[str | None], Any]:
+               bucket: int) -> tuple[DraftBatch | None, list[str | None], Any, Any]:
         """The batch's drafts, each row's source (None: no draft) and its drafts' node
         probabilities (rows of an array or lists; None when no rule reads them); drafting time
         is measured (less one-off index building) for the gate.
@@ -224,9 +225,10 @@ class SpecController(Proposer):
         batch: DraftBatch | None = None
         names: list[str | None] = [None] * B
         probs: Any = None
+        support: Any = None
         if cols:
             t0 = time.perf_counter()
-            src_a, len_a, tok_a, par_a, dep_a, probs = longest_match_drafts(
+            src_a, len_a, tok_a, par_a, dep_a, probs, support = longest_match_drafts(
                 cols, [s.merge_ties for s in col_sources], [s.fallback for s in col_sources],
                 [s.output_ids for s in seqs], [s.prompt_ids for s in seqs], caps, cfg.pattern_max,
                 cfg.pattern_min, cfg.min_prob, cfg.tree_budget, self._with_probs or bool(options))
@@ -240,7 +242,7 @@ class SpecController(Proposer):
         if indexed:
             self.gate.charge(bucket, INDEX, max(0.0, t_index))
         if not options:  # occurrence sources only: each row's draft is its best match's
-            return batch, names, probs
+            return batch, names, probs, support
         drafts: list[DraftTree | None] = list(batch) if batch is not None else [None] * B
         chosen: list = [None] * B
         for i in rows:
@@ -262,7 +264,7 @@ class SpecController(Proposer):
                     cands = [(cands[0][0], tree, pr)]
             drafts[i], chosen[i] = cands[0][1], cands[0]
         return (DraftBatch.from_trees(drafts), [c[0] if c is not None else None for c in chosen],
-                [c[2] if c is not None else None for c in chosen])
+                [c[2] if c is not None else None for c in chosen], None)
 
     def row_sources(self) -> list[str | None]:
         """Each row's draft source in the batch ``propose`` just returned (None: no draft)."""
@@ -273,6 +275,12 @@ class SpecController(Proposer):
         built with ``with_probs``, else None)."""
         return self._pending[3] if self._pending is not None else None
 
+    def row_support(self) -> Any:
+        """Each row's node supports (the weight of the continuations the index saw at each
+        node's context) in the batch ``propose`` just returned, as :meth:`row_probs`; None
+        where a model source drafted."""
+        return self._pending[4] if self._pending is not None else None
+
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         if self.gate.resting:  # a quiet step (applied when the gate wakes), or a dormant rollout
             return
@@ -280,7 +288,7 @@ class SpecController(Proposer):
         if pending is None or pending[0] is not seqs:  # nothing drafted this step (or not this batch)
             self.gate.observe_plain(len(seqs))
             return
-        _, batch, names, probs = pending
+        _, batch, names, probs, _ = pending
         succ = fail = 0
         calibrate = self._wants_probs  # the only rule that reads the calibration
         acc_by: Counter[str] = Counter()

@@ -194,8 +194,16 @@ def _children(occ: list[tuple[SuffixIndex, int, int]], depth: int):
 
 def draft_path(m: Matches, max_len: int, min_prob: float) -> tuple[list[int], list[float]]:
     """Follow the heaviest child while the running probability stays >= ``min_prob``."""
+    out, probs, _ = _draft_path(m, max_len, min_prob)
+    return out, probs
+
+
+def _draft_path(m: Matches, max_len: int, min_prob: float) -> tuple[list[int], list[float], list[float]]:
+    """:func:`draft_path` and each token's support: the weight of the continuations seen at its
+    context (one occurrence left: its weight)."""
     out: list[int] = []
     probs: list[float] = []
+    support: list[float] = []
     p = 1.0
     occ = m._occ
     while len(out) < max_len and occ:
@@ -208,15 +216,23 @@ def draft_path(m: Matches, max_len: int, min_prob: float) -> tuple[list[int], li
             break
         out.append(tok)
         probs.append(p)
+        support.append(total)
         occ = groups[tok]
-    return out, probs
+    return out, probs, support
 
 
 def draft_tree(m: Matches, budget: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
     """Best-first tree: repeatedly add the candidate node of highest estimated probability."""
+    return _draft_tree(m, budget, max_depth, min_prob)[:3]
+
+
+def _draft_tree(m: Matches, budget: int, max_depth: int,
+                min_prob: float) -> tuple[list[int], list[int], list[float], list[float]]:
+    """:func:`draft_tree` and each node's support (as :func:`_draft_path`'s)."""
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
+    support: list[float] = []
     heap: list = []
     counter = 0
 
@@ -231,16 +247,17 @@ def draft_tree(m: Matches, budget: int, max_depth: int, min_prob: float) -> tupl
             cp = p * weight[tok] / total
             if cp >= min_prob:
                 counter += 1
-                heapq.heappush(heap, (-cp, counter, node, tok, g, depth + 1))
+                heapq.heappush(heap, (-cp, counter, node, tok, g, depth + 1, total))
 
     push_children(-1, m._occ, 0, 1.0)
     while heap and len(tokens) < budget:
-        negp, _, parent, tok, g, depth = heapq.heappop(heap)
+        negp, _, parent, tok, g, depth, total = heapq.heappop(heap)
         tokens.append(tok)
         parents.append(parent)
         probs.append(-negp)
+        support.append(total)
         push_children(len(tokens) - 1, g, depth, -negp)
-    return tokens, parents, probs
+    return tokens, parents, probs, support
 
 
 def draft_paths(matches: list[Matches], caps: list[int], min_prob: float) -> list[tuple[list[int], list[float]]]:
@@ -269,14 +286,15 @@ def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: li
     Each source in order: a longer match wins, an equal one of two merging sources pools its
     occurrences, a fallback source is asked only while the best match is shorter than
     ``pattern_max``. Returns numpy arrays ``(source [R] (-1: no draft), lengths [R], tokens,
-    parents, depths [R, W], node probabilities [R, W] or None without with_probs)``, ``W`` the
-    longest draft; past a row's length: token -1, parent -1, depth 0, probability 0."""
+    parents, depths [R, W], node probabilities [R, W] and supports [R, W] (the weight of the
+    continuations seen at each node's context), both None without with_probs)``, ``W`` the
+    longest draft; past a row's length: token -1, parent -1, depth 0, probability and support 0."""
     rows = len(caps)
     if not len(outputs) == len(prompts) == rows or not len(merge) == len(fallback) == len(per_source):
         raise ValueError("longest_match_drafts: arguments differ in length")
     if any(len(col) != rows for col in per_source):
         raise ValueError("longest_match_drafts: a source's list is not one per row")
-    found: list[tuple[int, list[int], list[int], list[float]] | None] = []
+    found: list[tuple[int, list[int], list[int], list[float], list[float]] | None] = []
     for i in range(rows):
         best, winner = None, -1
         for k, col in enumerate(per_source):
@@ -297,11 +315,11 @@ def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: li
             found.append(None)
             continue
         if tree_budget > 0:
-            toks, parents, probs = draft_tree(best, min(tree_budget, max(caps[i], 1) * 2), caps[i], min_prob)
+            toks, parents, probs, support = _draft_tree(best, min(tree_budget, max(caps[i], 1) * 2), caps[i], min_prob)
         else:
-            toks, probs = draft_path(best, caps[i], min_prob)
+            toks, probs, support = _draft_path(best, caps[i], min_prob)
             parents = list(range(-1, len(toks) - 1))
-        found.append((winner, toks, parents, probs) if toks else None)
+        found.append((winner, toks, parents, probs, support) if toks else None)
     W = max((len(f[1]) for f in found if f is not None), default=0)
     src = np.full(rows, -1, dtype=np.int64)
     lengths = np.zeros(rows, dtype=np.int64)
@@ -309,15 +327,18 @@ def longest_match_drafts(per_source: list[list], merge: list[bool], fallback: li
     par = np.full((rows, W), -1, dtype=np.int64)
     dep = np.zeros((rows, W), dtype=np.int64)
     pr = np.zeros((rows, W if with_probs else 0))
+    su = np.zeros_like(pr)
     for i, f in enumerate(found):
         if f is None:
             continue
-        k, toks, parents, probs = f
+        k, toks, parents, probs, support = f
         n = len(toks)
         src[i], lengths[i] = k, n
         tokens[i, :n], par[i, :n] = toks, parents
         for j, p in enumerate(parents):
             dep[i, j] = 1 if p < 0 else dep[i, p] + 1
         if with_probs:
-            pr[i, :n] = probs
-    return src, lengths, tokens, par, dep, pr if with_probs else None
+            pr[i, :n], su[i, :n] = probs, support
+    if not with_probs:
+        pr = su = None
+    return src, lengths, tokens, par, dep, pr, su

@@ -18,9 +18,11 @@ merely breaks even by a fit of noisy step times is as likely to lose, and never 
 promise. ``q`` at draft position ``j`` is the product, over positions ``1..j``, of the
 acceptance measured for drafted tokens of the same source (siblings, the prompt's history, every
 prompt's) and the same confidence: the token's share of the continuations the index saw after
-its context, in tenths. A token every earlier response continued with and one half of them did
-are accepted at different rates; the position adds little once that share is known (docs/design.md,
-"Drafting only as far as it pays, inside vLLM"). The step then drafts only if the tokens its kept
+its context, weighed by how many it saw (:func:`token_confidence`), in tenths. A token every
+earlier response continued with and one half of them did are accepted at different rates, and so
+are one that sixteen responses agree on and one that a single response shows; the position adds
+little once those are known (docs/design.md, "Drafting only as far as it pays, inside vLLM").
+The step then drafts only if the tokens its kept
 drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs`` plus their
 verification: otherwise it runs as plain decoding would.
 
@@ -39,12 +41,21 @@ import numpy as np
 BUCKETS = 10  # a drafted token's confidence (its share of the index's continuations), in tenths
 
 
-def token_confidence(path_probs: np.ndarray) -> np.ndarray:
+def token_confidence(path_probs: np.ndarray, support: np.ndarray | None = None) -> np.ndarray:
     """Each drafted token's share of the continuations after its context, from the index's path
-    probabilities (the product of those shares up to each token; 0 past a row's draft)."""
+    probabilities (the product of those shares up to each token; 0 past a row's draft).
+
+    With ``support`` (the weight of the continuations seen at each token's context), the share
+    ``s`` of ``n`` is taken as ``(s * n + 1) / (n + 2)``: the expected share of a continuation
+    seen ``s * n`` times in ``n`` (a uniform prior), so agreement of one response counts for less
+    than agreement of sixteen."""
     p = np.asarray(path_probs, dtype=np.float64)
     prev = np.concatenate([np.ones((p.shape[0], 1)), p[:, :-1]], axis=1)
-    return np.divide(p, prev, out=np.zeros_like(p), where=prev > 0)
+    share = np.divide(p, prev, out=np.zeros_like(p), where=prev > 0)
+    if support is None:
+        return share
+    n = np.asarray(support, dtype=np.float64)
+    return np.where(n > 0, (share * n + 1.0) / (n + 2.0), 0.0)
 
 
 class DraftCutoff:

@@ -219,7 +219,7 @@ class HistoSpecProposer:
         sources = self.controller.row_sources()
         confidence, keep = None, lengths
         if self.cutoff is not None:
-            confidence = token_confidence(self.controller.row_probs())
+            confidence = token_confidence(self.controller.row_probs(), self.controller.row_support())
             keep = self.cutoff.lengths(len(req_ids), sources, lengths, confidence)
         safe_at_temperature = self._sampler_is_correct()
         drafted = []
