@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +35,17 @@ from rhymerl.engine.draft import DraftBatch, DraftTree, Proposer
 from rhymerl.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+class _Pending(NamedTuple):
+    """A drafting step's batch and, per row, its draft's source (None: no draft), node
+    probabilities and supports (as :meth:`SpecController._draft` returns them)."""
+
+    seqs: list[Sequence]
+    batch: DraftBatch
+    names: list[str | None]
+    probs: Any
+    support: Any
 INDEX = "index"  # the gate's name for the index sources' drafting, measured as one (one compiled call)
 
 
@@ -132,10 +143,9 @@ class SpecController(Proposer):
         self._store_version = getattr(store, "version", None)
         self.calibration = Calibration()
         self.step = 0
-        # This step's batch, its drafts and each drafted row's (source, node probabilities, node
-        # supports): what observe() reads for the rows verification scored (the engine passes
-        # the same list).
-        self._pending: tuple[list[Sequence], DraftBatch, list[str | None], Any, Any] | None = None
+        # This step's drafts: what observe() reads for the rows verification scored (the engine
+        # passes the same list).
+        self._pending: _Pending | None = None
         self.accepted_by_source: Counter[str] = Counter()
         self.drafted_by_source: Counter[str] = Counter()
 
@@ -176,13 +186,14 @@ class SpecController(Proposer):
         if k == 0:
             return None
         batch = batch.truncated(k)
-        self._pending = (seqs, batch, names, probs, support)
+        self._pending = _Pending(seqs, batch, names, probs, support)
         return batch
 
     def _draft(self, seqs: list[Sequence], caps: list[int], sources: list[DraftSource],
                bucket: int) -> tuple[DraftBatch | None, list[str | None], Any, Any]:
-        """The batch's drafts, each row's source (None: no draft) and its drafts' node
-        probabilities (rows of an array or lists; None when no rule reads them); drafting time
+        """The batch's drafts, each row's source (None: no draft), its drafts' node
+        probabilities (rows of an array or lists; None when no rule reads them) and supports
+        (an array; None without probabilities or where a model source drafted); drafting time
         is measured (less one-off index building) for the gate.
 
         Occurrence sources (indices, or matches a source found itself) go through the
@@ -268,27 +279,27 @@ class SpecController(Proposer):
 
     def row_sources(self) -> list[str | None]:
         """Each row's draft source in the batch ``propose`` just returned (None: no draft)."""
-        return list(self._pending[2]) if self._pending is not None else []
+        return list(self._pending.names) if self._pending is not None else []
 
     def row_probs(self) -> Any:
         """Each row's node probabilities in the batch ``propose`` just returned (a row per row;
         built with ``with_probs``, else None)."""
-        return self._pending[3] if self._pending is not None else None
+        return self._pending.probs if self._pending is not None else None
 
     def row_support(self) -> Any:
         """Each row's node supports (the weight of the continuations the index saw at each
         node's context) in the batch ``propose`` just returned, as :meth:`row_probs`; None
         where a model source drafted."""
-        return self._pending[4] if self._pending is not None else None
+        return self._pending.support if self._pending is not None else None
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int]) -> None:
         if self.gate.resting:  # a quiet step (applied when the gate wakes), or a dormant rollout
             return
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] is not seqs:  # nothing drafted this step (or not this batch)
+        if pending is None or pending.seqs is not seqs:  # nothing drafted this step (or not this batch)
             self.gate.observe_plain(len(seqs))
             return
-        _, batch, names, probs, _ = pending
+        batch, names, probs = pending.batch, pending.names, pending.probs
         succ = fail = 0
         calibrate = self._wants_probs  # the only rule that reads the calibration
         acc_by: Counter[str] = Counter()
