@@ -39,6 +39,7 @@ import numpy as np
 
 
 BUCKETS = 10  # a drafted token's confidence (its share of the index's continuations), in tenths
+REFIT_EVERY = 4  # steps between refits of the step-cost fit the decisions read
 
 
 def token_confidence(path_probs: np.ndarray, support: np.ndarray | None = None) -> np.ndarray:
@@ -67,6 +68,8 @@ class DraftCutoff:
         self.probe_every = probe_every
         self.probe_share = probe_share  # one row in this many drafts whole lengths on a probe step
         self.steps = 0
+        self._fit: tuple[float, float, float, float] | None = None  # cost() as of step _fit_step
+        self._fit_step = -REFIT_EVERY
         # decayed sums for the cost fit: X^T X over [1, B, D, D > 0] and X^T y
         self._xx = np.zeros((4, 4))
         self._xy = np.zeros(4)
@@ -131,6 +134,13 @@ class DraftCutoff:
         c0, cr, cd, cs = np.linalg.solve(xx, self._xy / self._n)
         return float(c0), float(max(cr, 0.0)), float(max(cd, 0.0)), float(max(cs, 0.0))
 
+    def _current_fit(self) -> tuple[float, float, float, float] | None:
+        """:meth:`cost`, refitted every ``REFIT_EVERY`` steps once there is a fit (a decayed fit
+        over about 50 steps moves little in a few; the refit was a fifth of the proposer's time)."""
+        if self._fit is None or self.steps - self._fit_step >= REFIT_EVERY:
+            self._fit, self._fit_step = self.cost(), self.steps
+        return self._fit
+
     def threshold(self, rows: int) -> float:
         """The acceptance probability a drafted token needs to pay on a step of ``rows`` rows
         (0: draft everything, while the cost is not yet measured)."""
@@ -157,7 +167,7 @@ class DraftCutoff:
         run as plain decoding."""
         self.steps += 1
         k = self.k
-        fit = self.cost()
+        fit = self._current_fit()
         phase = self.steps % (4 if fit is None else self.probe_every)
         if phase == 0:  # a plain step: the cost without drafting stays measured
             return [0] * len(available)
