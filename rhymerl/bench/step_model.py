@@ -96,7 +96,7 @@ class Scale:
     draft_model: ModelShape = DRAFT_1B
     draft_head: ModelShape = HEAD_8B
     accept_model: float = 2.25  # tokens per verification forward, model drafts (NeMo-RL: 2.05-2.47)
-    hybrid_gain: float = 1.17  # the hybrid's tokens per forward over history alone (docs/results.md, model drafters and the hybrid)
+    hybrid_gain: float = 1.17  # the hybrid's tokens per forward over history alone (docs/results.md)
 
 
 def speculation(scale: Scale, method: str) -> tuple[float, ModelShape | None]:
