@@ -22,9 +22,9 @@ its context, weighed by how many it saw (:func:`token_confidence`), in tenths. A
 earlier response continued with and one half of them did are accepted at different rates, and so
 are one that sixteen responses agree on and one that a single response shows; the position adds
 little once those are known (docs/design.md, "Drafting only as far as it pays, inside vLLM").
-The step then drafts only if the tokens its kept
-drafts are expected to add, priced at plain decoding's time per token, outweigh ``cs`` plus their
-verification: otherwise it runs as plain decoding would.
+The step then drafts only if the tokens its kept drafts are expected to add, priced at plain
+decoding's time per token, outweigh ``cs`` plus their verification: otherwise it runs as plain
+decoding would.
 
 Until the costs are fitted, steps cycle through drafting nothing, whole lengths and half lengths
 (so rows, drafted tokens and the drafting step's fixed cost vary apart and can be told apart);
@@ -69,7 +69,7 @@ class DraftCutoff:
         self.probe_share = probe_share  # one row in this many drafts whole lengths on a probe step
         self.steps = 0
         self._fit: tuple[float, float, float, float] | None = None  # cost() as of step _fit_step
-        self._fit_step = -REFIT_EVERY
+        self._fit_step = 0
         # decayed sums for the cost fit: X^T X over [1, B, D, D > 0] and X^T y
         self._xx = np.zeros((4, 4))
         self._xy = np.zeros(4)
@@ -135,8 +135,8 @@ class DraftCutoff:
         return float(c0), float(max(cr, 0.0)), float(max(cd, 0.0)), float(max(cs, 0.0))
 
     def _current_fit(self) -> tuple[float, float, float, float] | None:
-        """:meth:`cost`, refitted every ``REFIT_EVERY`` steps once there is a fit (a decayed fit
-        over about 50 steps moves little in a few; the refit was a fifth of the proposer's time)."""
+        """:meth:`cost`, refitted every ``REFIT_EVERY`` steps once there is a fit: a decayed fit
+        over about 50 steps moves little in a few, and the refit is the cutoff's costliest call."""
         if self._fit is None or self.steps - self._fit_step >= REFIT_EVERY:
             self._fit, self._fit_step = self.cost(), self.steps
         return self._fit
