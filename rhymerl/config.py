@@ -76,7 +76,10 @@ class SFTSection:
     # that often leaves out the answer format the verifier reads; RL learns to give it.
     unanswered_share: float = 0.8
     eval_prompts: int = 200
-    max_minutes: float = 4.0  # stop early (and say so) rather than overrun the time budget
+    # Off by default: the base trains its configured steps whatever the machine's speed (a base
+    # cut short by the clock learns far less in RL). Set, SFT stops there; the card, the run's
+    # output and its summary say the base is short.
+    max_minutes: float | None = None
     output_dir: str = "checkpoints/sft-{task}-seed{seed}"
 
 
@@ -117,9 +120,10 @@ class RolloutSection:
     # (it costs engine throughput: docs/results.md); off, the same holds up to floating-point ties.
     invariant: bool = False
     # Engines other than the native one (vLLM) sample with log-probs that are checked against the
-    # trainer's on the same tokens every step: a step whose largest gap exceeds this stops the run
-    # (a weight sync that missed a layer, or numerics apart). None: 1e-2 for float32, 2.0 for
-    # bfloat16/float16 (training/engine_checks.py). 0: logged, never enforced.
+    # trainer's on the same tokens every step (on up to 64 responses spread over the batch, filtered
+    # groups included, under the weights that drew them): a step whose largest gap exceeds this
+    # stops the run (a weight sync that missed a layer, or numerics apart). None: 1e-2 for float32,
+    # 0.4 for bfloat16/float16 (training/engine_checks.py). 0: logged, never enforced.
     max_logp_gap: float | None = None
     # torch threads of each rollout engine (0: this process's for one local worker, else cores
     # / workers). Float results depend on it: it is part of what exactness holds for.

@@ -406,3 +406,26 @@ def test_drafter_health_marks_a_collapse_once():
         logging.getLogger("rhymerl.training.engine_checks").removeHandler(handler)
     assert all(x < 0.5 for x in collapsed)  # judged against the healthy trail, not a falling one
     assert len(records) == 1 and "step 9" in records[0].getMessage()
+
+
+def test_drafter_health_warns_when_the_main_jobs_acceptance_collapses():
+    """A trail like the main job's (1.5-1.7 tokens per forward) falling to 1.0: the drafts add
+    nothing, so health reads 0 and warns; the collapsed steps never enter the trail."""
+    import logging
+
+    from rhymerl.training.engine_checks import DrafterHealth
+
+    h = DrafterHealth(window=10)
+    for s, v in enumerate([1.55, 1.62, 1.70, 1.58, 1.66, 1.60], 1):
+        assert h.update(v, s) > 0.7
+    trail = list(h.trail)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("rhymerl.training.engine_checks").addHandler(handler)
+    try:
+        collapsed = [h.update(1.0, s) for s in range(7, 12)]
+    finally:
+        logging.getLogger("rhymerl.training.engine_checks").removeHandler(handler)
+    assert all(x < 0.5 for x in collapsed) and len(records) == 1
+    assert h.trail == trail

@@ -44,6 +44,7 @@ class ScoredRollout:
     version: int = 0  # the policy version (updates applied) that drew it
     stats: dict[str, float] = field(default_factory=dict)  # engine and scheduler counters over this rollout
     streamed: Any = None  # the prompt split's update work on these groups (StreamedUpdate), if any
+    continued: int = 0  # the leading groups continued from a pause in an earlier step (partial rollouts)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (a checkpoint holds the batch an async run had in flight)."""
@@ -51,7 +52,8 @@ class ScoredRollout:
                 "scores": self.scores, "errors": self.errors, "timeouts": self.timeouts,
                 "first_error": self.first_error, "extras": self.extras, "predicted": self.predicted,
                 "gen_s": self.gen_s, "reward_s": self.reward_s, "carry": [g.to_dict() for g in self.carry],
-                "offpolicy_tokens": self.offpolicy_tokens, "version": self.version, "stats": self.stats}
+                "offpolicy_tokens": self.offpolicy_tokens, "version": self.version, "stats": self.stats,
+                "continued": self.continued}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], row_of: dict[str, PromptRow]) -> "ScoredRollout":
@@ -61,7 +63,7 @@ class ScoredRollout:
                    d["first_error"], {k: [float(x) for x in v] for k, v in d["extras"].items()},
                    list(d["predicted"]), float(d["gen_s"]), float(d["reward_s"]),
                    [CarriedGroup.from_dict(g) for g in d["carry"]], int(d["offpolicy_tokens"]),
-                   int(d["version"]), {k: float(v) for k, v in d["stats"].items()})
+                   int(d["version"]), {k: float(v) for k, v in d["stats"].items()}, continued=int(d.get("continued", 0)))
 
 
 def _out_to_dict(o: RequestOutput) -> dict[str, Any]:

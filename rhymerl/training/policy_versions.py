@@ -89,6 +89,14 @@ class PolicyVersions:
         self._send(self._live())
         self.workers = self.current
 
+    def weights_of(self, version: int) -> Weights | None:
+        """The weights of ``version`` if an older copy is kept (None: it is the live one)."""
+        if version == self.current:
+            return None
+        if version not in self.snapshots:
+            raise KeyError(f"policy version {version} is neither live ({self.current}) nor kept")
+        return self.snapshots[version]
+
     def keep_current(self, step: int) -> None:
         """Before step ``step``'s update replaces the live weights: copy them if a later batch
         may still be drawn by them (step t+1's is drawn by version t-S), and drop copies no

@@ -42,7 +42,6 @@ class RankSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    check_rollout_logp: bool = False  # old log-probs every step (another rollout engine is checked against them)
     threads: int = 1
     # local backend, rank 0: where it publishes new weights (the controller's model lives there)
     publish_to: tuple[torch.Tensor, list[tuple[str, int, tuple[int, ...]]]] | None = None
@@ -125,8 +124,7 @@ class TrainerRank:
         self.trainer = PolicyTrainer(wrapped, tcfg, spec.algorithm, device, ref,
                                      total_optimizer_steps=spec.total_optimizer_steps, temperature=spec.temperature,
                                      top_p=spec.top_p, top_k=spec.top_k, rank=spec.rank,
-                                     world_size=spec.world_size, grad_sync=strategy.grad_sync(wrapped),
-                                     check_rollout_logp=spec.check_rollout_logp)
+                                     world_size=spec.world_size, grad_sync=strategy.grad_sync(wrapped))
         return os.getpid()
 
     # --- the step ----------------------------------------------------------------------------------

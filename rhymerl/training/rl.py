@@ -35,7 +35,7 @@ from rhymerl.training.checkpoint import (
     load_checkpoint_into,
     save_checkpoint,
 )
-from rhymerl.training.engine_checks import DrafterHealth, check_logp_gap, max_logp_gap
+from rhymerl.training.engine_checks import DrafterHealth, check_logp_gap, checked_responses, logp_gap, max_logp_gap
 from rhymerl.training.evaluate import evaluate
 from rhymerl.training.inputs import with_absolute_paths
 from rhymerl.training.metrics import MetricsLogger, append_trace, plot_run, truncate_trace
@@ -53,9 +53,10 @@ from rhymerl.training.run_builder import (
 from rhymerl.training.run_settings import continued_config, read_run_config
 from rhymerl.training.run_state import read_run_state
 from rhymerl.training.stream import finish_prompt_split, streamed_update_for
-from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, engine_logp_gap, merge_counts, step_metrics
+from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, merge_counts, step_metrics
+from rhymerl.training.sft import read_card, short_base
 from rhymerl.training.summary import print_summary, summarize
-from rhymerl.training.trainer import Experience
+from rhymerl.training.trainer import Experience, sampling_token_logp
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class RLRun:
         self.run_dir, self.progress = run_dir, progress
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg, base = pinned_inputs(cfg, run_dir, latest_checkpoint(run_dir) is not None, accept_changed_inputs)
-        self.cfg = cfg
+        self.cfg, self.base = cfg, base
         self.device = resolve_device(cfg.model.device)
         self.tokenizer = load_tokenizer(base)
         self.model = load_policy(cfg, base, self.device)
@@ -103,6 +104,7 @@ class RLRun:
         self.rollout_phase = RolloutPhase(cfg, self.tokenizer, self.rollout, self.history, self.rewards,
                                           self.reward_spec, self.versions, self.data.row_of, self._streamed)
         self.metrics = MetricsLogger(run_dir)
+        self.trainer_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.drafter_health = DrafterHealth()
         # An update overlapping the rollout (async RL, a streamed update) keeps, in this
         # process, to the cores the workers leave (a fixed count: its numbers never follow timing).
@@ -126,6 +128,7 @@ class RLRun:
         t_step = time.perf_counter()
         batch, wait_s = self._collect(step)  # collect: this step's groups, generated and scored
         self.rollout_phase.check_rewards(batch, step)  # a reward function that fails everywhere stops the run
+        gap = self._check_engine(batch, step)  # another engine's log-probs against the drawing weights'
         kept = self.rollout_phase.filter(batch, step, self.data.loader.next_batch)  # DAPO's filter (and refills)
         self.carried = kept.carry
         epoch = self.data.loader.state.epoch  # the trained batch's (async draws the next one just below)
@@ -143,7 +146,7 @@ class RLRun:
                           counts=merge_counts(batch.stats, kept.stats), extras=batch.extras,
                           predicted=batch.predicted, sync_bytes=sync_bytes, workers=self.rollout.num_workers)
         append_trace(self.run_dir / "traces.jsonl", step, batch, kept)
-        m = {**upd.metrics, **step_metrics(facts, times)}
+        m = {**upd.metrics, **gap, **step_metrics(facts, times)}
         if self.cfg.rollout.speculative.method != "none":
             m["spec/health"] = self.drafter_health.update(m["spec/accepted_per_forward"], step)
         return m
@@ -178,26 +181,44 @@ class RLRun:
         if not responses:
             log.warning("step %d: every group had equal rewards; no update", step)
             return UpdateResult()
-        # The engine's sampling log-probs: async RL corrects by them; on-policy, another engine's
-        # are compared with the trainer's (a failed weight sync or a numerics gap shows there).
-        on_policy_check = not self.versions.asynchronous and not get_engine(self.cfg.rollout.engine).exact_logprobs
+        # Async RL corrects by the engine's sampling log-probs (the policy that drew the tokens).
         exp = Experience.build(prompts, responses, [0.0] * len(responses), self.tokenizer.pad_token_id or 0,
-                               behaviour_logprobs=behaviour if self.versions.asynchronous or on_policy_check else None)
-        sampled = exp.behav_logp if on_policy_check else None
-        if on_policy_check:
-            exp.behav_logp = None  # on-policy: no correction
+                               behaviour_logprobs=behaviour if self.versions.asynchronous else None)
         # Beside an async rollout, on the cores its worker leaves (update_threads; 0 keeps every core).
         with torch_threads(self.update_threads):
             res = self._advantages(exp, scores, [len(r) for r in responses], groups, batch.version, step)
-            if sampled is not None:
-                res.metrics.update(engine_logp_gap(exp.old_logp, sampled, exp.response_mask))
-                check_logp_gap(res.metrics["rollout/logp_gap_max"],
-                               max_logp_gap(self.cfg.rollout.max_logp_gap, self.cfg.model.dtype), step,
-                               self.cfg.rollout.engine)
             t = time.perf_counter()
             res.metrics.update(self.trainer.update(exp, step, self.cfg.seed))
             res.update_s = time.perf_counter() - t
         return res
+
+    def _check_engine(self, batch: ScoredRollout, step: int) -> dict[str, float]:
+        """An engine other than ours: its sampling log-probs on a spread of the step's responses
+        (filtered groups included; groups continued from earlier steps' weights left out) against
+        the trainer's under the weights that drew them (async: that version's copy). Every path
+        (synchronous, streamed, prompt split, async) comes through here before its update."""
+        if get_engine(self.cfg.rollout.engine).exact_logprobs:
+            return {}
+        rows = [(o.prompt_token_ids, c.token_ids, c.logprobs or []) for o in batch.outs[batch.continued:]
+                for c in o.outputs]
+        pick = [rows[i] for i in checked_responses(len(rows))]
+        weights = self.versions.weights_of(batch.version)
+        model = self.model
+        if weights is not None:  # an older version: its kept copy, in place of the live parameters
+            own = dict(model.named_parameters())
+            weights = {n: w for n, w in weights.items() if n in own}
+        t = self.trainer_temperature
+
+        def token_logp(ids: torch.Tensor) -> torch.Tensor:
+            out = torch.func.functional_call(model, weights, (ids,)) if weights is not None else model(ids)
+            return sampling_token_logp(out, ids, t, self.cfg.rollout.top_p, self.cfg.rollout.top_k)[0]
+
+        with torch_threads(self.update_threads):
+            gap = logp_gap(token_logp, [p for p, _, _ in pick], [r for _, r, _ in pick], [lp for _, _, lp in pick],
+                           self.tokenizer.pad_token_id or 0, self.device)
+        check_logp_gap(gap["rollout/logp_gap_max"], max_logp_gap(self.cfg.rollout.max_logp_gap, self.cfg.model.dtype),
+                       step, self.cfg.rollout.engine)
+        return gap
 
     def _advantages(self, exp: Experience, scores: list[float], lengths: list[int], groups: list[int],
                     drawn_by: int, step: int) -> UpdateResult:
@@ -383,6 +404,9 @@ class RLRun:
         plots = plot_run(self.run_dir)
         summary = summarize(self.run_dir, time.perf_counter() - t0, (self.initial_heldout, self.last_heldout))
         summary["plots"] = [str(p) for p in plots]
+        card = read_card(self.base)
+        if card is not None and short_base(card):
+            summary["base_short"] = short_base(card)  # said at the end too: the run learnt from a short base
         summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary

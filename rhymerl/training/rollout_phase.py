@@ -14,6 +14,7 @@ from rhymerl.algos import informative
 from rhymerl.config import RunConfig
 from rhymerl.data import PromptRow
 from rhymerl.engine import RequestOutput, SamplingParams
+from rhymerl.rollout_engines import get_engine
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.tokenizer import encode_prompt
 from rhymerl.training.batch import GroupScore, KeptBatch, ScoredRollout
@@ -99,13 +100,13 @@ class RolloutPhase:
 
         r = self.cfg.rollout
         budget = r.carry_over_tokens
+        # a paused sample's prefix carries its log-probs; async RL corrects by the sampling
+        # policy's; another engine's are checked against the trainer's every step
+        logprobs = budget > 0 or self.versions.asynchronous or not get_engine(r.engine).exact_logprobs
 
         def params(prefix_len: int) -> SamplingParams:
             return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_tokens=step_budget(r.max_tokens, budget, prefix_len),
-                                  # a paused sample's prefix carries its log-probs; async RL
-                                  # corrects by the sampling policy's
-                                  logprobs=budget > 0 or self.versions.asynchronous)
+                                  max_tokens=step_budget(r.max_tokens, budget, prefix_len), logprobs=logprobs)
 
         all_rows = [self.row_of[g.key] for g in carried] + rows
         reqs = [RolloutRequest(encode_prompt(self.tokenizer, row.prompt), params(g.prefix_len()), g.seed, g.key,
@@ -145,7 +146,7 @@ class RolloutPhase:
                              sum(scored[i].errors for i in done), sum(scored[i].timeouts for i in done),
                              next((scored[i].first_error for i in done if scored[i].first_error), None),
                              extras, [predicted[i] for i in done], gen_s=gen_s, reward_s=reward_s, carry=carry,
-                             offpolicy_tokens=offpolicy)
+                             offpolicy_tokens=offpolicy, continued=sum(i < len(q.carried) for i in done))
 
     def _counters(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         st, pipe = self.coordinator.stats, self.coordinator.pipe

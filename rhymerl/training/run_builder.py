@@ -18,7 +18,6 @@ from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_dtype
 from rhymerl.drafting import trains_draft_head, trains_eagle3
 from rhymerl.model import load_pretrained
-from rhymerl.rollout_engines import get_engine
 from rhymerl.tokenizer import tokenizer_fingerprint
 from rhymerl.training.inputs import check_inputs, record_inputs, with_absolute_paths
 from rhymerl.training.sft import CARD, ensure_base_model, sft_output_dir
@@ -99,7 +98,7 @@ def build_trainer(cfg: RunConfig, base: Path, model: Any, device: torch.device) 
         head = Eagle3Trainer(model, base, spec.draft_head_lr, device, seed=cfg.seed, steps=spec.model_draft_tokens)
     trainer = PolicyTrainer(model, cfg.trainer, cfg.algorithm, device, ref, total_optimizer_steps=total,
                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            draft_head=head, check_rollout_logp=not get_engine(cfg.rollout.engine).exact_logprobs)
+                            draft_head=head)
     return trainer, head
 
 

@@ -11,7 +11,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,21 @@ def draft_config(cfg: RunConfig) -> RunConfig:
     return d
 
 
+def short_base(card: dict) -> str | None:
+    """Why a base cut short by ``sft.max_minutes`` is a worse start for RL, or None for a whole one."""
+    planned = card.get("config", {}).get("sft", {}).get("steps", card["steps"])
+    if card["steps"] >= planned:
+        return None
+    return (f"the base trained {card['steps']} of its {planned} SFT steps (sft.max_minutes cut it); a short base "
+            f"starts RL lower and may not learn at all. Unset sft.max_minutes and delete the base to train it whole")
+
+
+def read_card(base: Path) -> dict | None:
+    """The card of a base ``rhymerl sft`` made (None for any other model folder)."""
+    path = Path(base) / CARD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def print_card(card: dict, out: Path) -> None:
     ls = card["response_length"]
     print(f"base model: {out}  ({card['params'] / 1e6:.2f}M params, {card['steps']} steps, "
@@ -63,6 +78,9 @@ def print_card(card: dict, out: Path) -> None:
     if share:
         print(f"(its SFT examples left the final answer line out {100 * share:.0f}% of the time, so it rarely "
               f"gives one: RL has to learn to)")
+    short = short_base(card)
+    if short:
+        print(f"base model: WARNING: {short}")
 
 
 def lr_at(step: int, total: int, warmup: int, base: float) -> float:
@@ -136,9 +154,11 @@ def _batch(batch: list[tuple[list[int], int]], bs: int, pad_id: int,
     return ids.to(device), tgt.to(device)
 
 
-def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool = True) -> dict:
-    """Train the base model and write it to ``out_dir``; returns the card."""
-    t_start = time.time()
+def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool = True,
+            clock: Callable[[], float] = time.monotonic) -> dict:
+    """Train the base model and write it to ``out_dir``; returns the card. ``clock`` is read only
+    for the opt-in ``sft.max_minutes`` and the card's seconds (a test's fake clock)."""
+    t_start = clock()
     out = Path(out_dir) if out_dir is not None else sft_output_dir(cfg)
     task = get_task(cfg.data.task)
     tok = build_char_tokenizer(task.alphabet)
@@ -158,7 +178,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     bar = progress_bar(range(steps), desc="sft", total=steps, enabled=progress)
     loss_ema, done_steps, stopped_early = None, 0, False
     for step in bar:
-        if time.time() - t_start > cfg.sft.max_minutes * 60:
+        if cfg.sft.max_minutes is not None and clock() - t_start > cfg.sft.max_minutes * 60:
             stopped_early = True
             break
         if not order:
@@ -175,7 +195,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     bar.close()
-    train_s = time.time() - t_start
+    train_s = clock() - t_start
 
     model.eval()
     llm = LLM(model, tokenizer=tok, max_num_seqs=256, max_model_len=cfg.rollout.max_model_len, device=str(device))
@@ -224,6 +244,8 @@ def ensure_base_model(cfg: RunConfig) -> Path:
         card = json.loads(card_path.read_text())
         print(f"base model: reusing {out} (held-out greedy accuracy "
               f"{100 * card['heldout_greedy_accuracy']:.1f}%)")
+        if short_base(card):
+            print(f"base model: WARNING: {short_base(card)}")
         changed = stale_keys(card, cfg)
         if changed:
             print(f"base model: warning: {out} was trained with other settings ({', '.join(changed)}); "

@@ -148,12 +148,3 @@ def async_metrics(old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.
         ratio = torch.ones(1)
     return {"async/staleness_mean": float(staleness), "async/is_ratio_mean": float(ratio.mean()),
             "async/is_ratio_max": float(ratio.max()), "async/clipped_frac": float((ratio > cap).float().mean())}
-
-
-def engine_logp_gap(old_logp: torch.Tensor, sampled_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the rollout engine's sampling log-probs are from the trainer's on the same tokens
-    and weights (on-policy): numerics alone, unless a weight sync failed."""
-    gap = (old_logp - sampled_logp).abs()[mask.bool()]
-    if not gap.numel():
-        gap = torch.zeros(1)
-    return {"rollout/logp_gap_mean": float(gap.mean()), "rollout/logp_gap_max": float(gap.max())}

@@ -74,5 +74,7 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
     print(f"speculation: {s['spec_accepted_per_forward']:.2f} tokens per sequence per forward "
           f"(= {1 / max(s['spec_forwards_per_token'], 1e-9):.2f}x fewer target forwards per token); "
           f"`rhymerl bench e2e` measures the wall-clock speed-up against no speculation")
+    if s.get("base_short"):
+        print(f"WARNING: {s['base_short']}")
     for p in s.get("plots", []):
         print(f"plots: {p}")

@@ -99,6 +99,29 @@ class Trainer(Protocol):
     def close(self) -> None: ...
 
 
+def sampling_token_logp(model_out: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float = 1.0,
+                        top_k: int = -1, with_entropy: bool = False):
+    """Each next token's log-probability under the distribution the rollout samples from (the
+    logits ``model_out`` of ``ids`` at ``temperature``, top-p and top-k applied), and optionally
+    the entropy: the trainer's log-probs and the engine check's are this one function."""
+    raw = model_out[:, :-1].float()
+    logits = raw / temperature
+    if top_p < 1.0 or top_k > 0:
+        from rhymerl.engine.sampler import sampling_logprobs
+
+        B, T, V = raw.shape
+        rows = B * T
+        full = sampling_logprobs(raw.reshape(rows, V), torch.full((rows,), temperature, device=raw.device),
+                                 torch.full((rows,), top_p, device=raw.device),
+                                 torch.full((rows,), top_k, device=raw.device, dtype=torch.long))
+        # Tokens outside top-k/top-p have log-prob -inf; only padding positions hold them
+        # (the rollout never samples one), and the floor keeps 0 x -inf out of the loss.
+        logp = full.reshape(B, T, V).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).clamp(min=-1e4)
+    else:
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
+
+
 class PolicyTrainer:
     """The update on one process. With ``world_size > 1`` this is one rank of a data-parallel
     group (``rhymerl.training.rank``): ``model`` is already wrapped by the strategy, each
@@ -111,8 +134,7 @@ class PolicyTrainer:
                  ref_model: torch.nn.Module | None = None, total_optimizer_steps: int = 1,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, *,
                  rank: int = 0, world_size: int = 1,
-                 grad_sync: Callable[[bool], ContextManager[None]] | None = None, draft_head=None,
-                 check_rollout_logp: bool = False) -> None:
+                 grad_sync: Callable[[bool], ContextManager[None]] | None = None, draft_head=None) -> None:
         self.model, self.cfg, self.algo, self.device, self.ref = model, trainer, algo, device, ref_model
         self.rank, self.world_size = rank, world_size
         # grad_sync(last) wraps a micro-batch's backward: gradients are reduced across ranks
@@ -129,26 +151,9 @@ class PolicyTrainer:
         self.bad_steps = 0
         # A draft head trained online on this trainer's hidden states (DraftHeadTrainer), or None.
         self.draft_head = draft_head
-        # Old log-probs every step, needed or not: another engine's sampling log-probs are checked against them.
-        self.check_rollout_logp = check_rollout_logp
 
     def _token_logp(self, model: torch.nn.Module, ids: torch.Tensor, with_entropy: bool = False):
-        raw = model(ids)[:, :-1].float()
-        logits = raw / self.temperature
-        if self.top_p < 1.0 or self.top_k > 0:
-            from rhymerl.engine.sampler import sampling_logprobs
-
-            B, T, V = raw.shape
-            rows = B * T
-            full = sampling_logprobs(raw.reshape(rows, V), torch.full((rows,), self.temperature, device=raw.device),
-                                     torch.full((rows,), self.top_p, device=raw.device),
-                                     torch.full((rows,), self.top_k, device=raw.device, dtype=torch.long))
-            # Tokens outside top-k/top-p have log-prob -inf; only padding positions hold them
-            # (the rollout never samples one), and the floor keeps 0 x -inf out of the loss.
-            logp = full.reshape(B, T, V).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).clamp(min=-1e4)
-        else:
-            logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        return (logp, entropy_from_logits(logits)) if with_entropy else (logp, None)
+        return sampling_token_logp(model(ids), ids, self.temperature, self.top_p, self.top_k, with_entropy)
 
     @property
     def single_update(self) -> bool:
@@ -159,7 +164,7 @@ class PolicyTrainer:
     def needs_old_logp(self) -> bool:
         """Old log-probs are needed by several updates per rollout, or by a KL in the reward."""
         return not self.single_update or (self.ref is not None and self.algo.use_kl_in_reward) \
-            or self.cfg.async_staleness > 0 or self.check_rollout_logp  # async: decoupled PPO's proximal policy
+            or self.cfg.async_staleness > 0  # async: decoupled PPO's proximal policy
 
     @torch.no_grad()
     def compute_logps(self, exp: Experience) -> None:

@@ -21,7 +21,6 @@ import torch
 from rhymerl.config import RunConfig
 from rhymerl.distribution.backends import WorkerHandle, init_ray, shared_buffer, spawn_processes
 from rhymerl.distribution.work import WorkerLost
-from rhymerl.rollout_engines import get_engine
 from rhymerl.model import CausalLM
 from rhymerl.training.rank import RankSpec, TrainerRank
 from rhymerl.training.trainer import Experience, SyncStats
@@ -87,7 +86,7 @@ class TrainerGroup:
                           ("cuda" if torch.cuda.is_available() else "cpu"),
                           with_ref=with_ref, total_optimizer_steps=total_optimizer_steps,
                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                          check_rollout_logp=not get_engine(cfg.rollout.engine).exact_logprobs, threads=threads,
+                          threads=threads,
                           publish_to=self._publish_to if r == 0 else None)
                  for r in range(t.world_size)]
         try:

@@ -23,10 +23,23 @@ def register() -> None:
     owner = os.environ.get(OWNER)
     if not owner or not sys.platform.startswith("linux") or str(os.getpid()) == owner:
         return
+    parent = os.getppid()  # before the request: a change after it means the parent ended in between
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent ended before the request took effect
+    # Never "parent is pid 1": in a container without an init the trainer itself is pid 1.
+    if os.getppid() != parent or not _alive(int(owner)):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (the owner ended before this process started)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
