@@ -442,6 +442,13 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.model.num_attention_heads % cfg.model.num_key_value_heads:
         raise ConfigError(f"model.num_key_value_heads: must divide model.num_attention_heads, got "
                           f"{cfg.model.num_key_value_heads} and {cfg.model.num_attention_heads}")
+    for key, template, names in (("trainer.output_dir", cfg.trainer.output_dir, ("task", "seed", "engine")),
+                                 ("sft.output_dir", cfg.sft.output_dir, ("task", "seed"))):
+        try:
+            template.format(**{n: "x" for n in names})
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"{key}: {template!r} has a placeholder it cannot fill ({e!r}); "
+                              f"valid: {', '.join('{' + n + '}' for n in names)}") from None
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens: {cfg.rollout.max_tokens} leaves no room for the prompt within "
                           f"rollout.max_model_len={cfg.rollout.max_model_len}")

@@ -58,3 +58,14 @@ def markdown() -> str:
             lines += ["", f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         lines.append(f"| `{key}` | {tp.replace(' | ', ' or ')} | `{default!r}` | {note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def proposer_settings_table() -> str:
+    """The table of ``additional_config["rhymerl"]`` in docs/integrations.md, from
+    :class:`rhymerl.vllm.settings.ProposerSettings` (generated, so it never drifts)."""
+    from rhymerl.vllm.settings import ProposerSettings
+
+    lines = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    for key, tp, default, note in reference(ProposerSettings):
+        lines.append(f"| `{key}` | {tp.replace(' | ', ' or ')} | `{default!r}` | {note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"

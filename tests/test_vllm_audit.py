@@ -74,3 +74,89 @@ def test_a_child_whose_owner_has_already_ended_ends(monkeypatch):
     monkeypatch.setenv(lifetime.OWNER, "999999")
     lifetime.register()
     assert killed == [4242]
+
+
+def _siblings_of(prop):
+    sib = next(s for s in prop.controller.sources if s.name == "siblings")
+    return {k: sorted(v.members) for k, v in sib._live.items()}
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_siblings_of_requests_that_name_no_sample_are_all_indexed(named):
+    """Four requests of one prompt (vLLM's n=4 children, or four generate calls) with no
+    extra_args: each is its own member of the sibling index, not all sample 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tests.test_vllm_proposer import MAX_LEN, Runner, proposer
+
+    runner = Runner()
+    prop = proposer(runner)
+    prompt = [5, 6, 7, 8]
+    rids = [f"{i}_req-17" for i in range(4)]  # vLLM's child ids of an n=4 parent
+    for i, rid in enumerate(rids):
+        extra = {"sample": i, "group_size": 4} if named else None
+        runner.requests[rid] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra, max_tokens=8,
+                                                                               temperature=1.0))
+    runner.input_batch.req_ids = rids
+    runner.input_batch.num_prompt_tokens = np.full(4, len(prompt), dtype=np.int64)
+    rows = np.zeros((4, MAX_LEN), dtype=np.int64)
+    rows[:, : len(prompt)] = prompt
+    rows[:, len(prompt)] = [9, 10, 11, 12]
+    prop.propose([[9], [10], [11], [12]], np.full(4, len(prompt) + 1), rows)
+    assert list(_siblings_of(prop).values()) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.output_dir=runs/{model}", "trainer.output_dir: 'runs/{model}' has a placeholder it cannot fill"),
+    ("sft.output_dir=ckpt/{engine}", "sft.output_dir: 'ckpt/{engine}' has a placeholder"),
+])
+def test_an_output_folder_with_an_unknown_placeholder_is_one_line(override, words):
+    from rhymerl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=words.replace("{", r"\{").replace("}", r"\}")):
+        load_config(None, [override])
+
+
+def test_the_vllm_engine_without_vllm_is_refused_before_anything_runs(monkeypatch):
+    import importlib.util
+
+    from rhymerl.config import ConfigError, load_config
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find(name, *a))
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: vllm is not installed here \(pip install"):
+        load_config(None, ["rollout.engine=vllm"])
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"historydir": "/tmp/x"}, r"unknown keys \['historydir'\]"),
+    ({"recrod": False}, r"unknown keys \['recrod'\]"),
+    ({"history_tokens": "lots"}, r'\["rhymerl"\]\.history_tokens: expected int, got .lots.'),
+    ({"speculative": {"gate": "false"}}, r"speculative\.gate: expected bool, got 'false'"),
+    ({"history": "/nonexistent/history.json.gz"}, r"\['history'\]: /nonexistent/history.json.gz: no such file"),
+])
+def test_a_mistake_in_the_proposers_settings_is_refused_by_name(settings, words):
+    from tests.test_vllm_proposer import Runner, proposer
+
+    with pytest.raises(ValueError, match=words):
+        proposer(Runner(), **settings)
+
+
+def test_a_shared_history_folder_that_cannot_be_made_costs_sharing_not_the_engine(tmp_path):
+    from tests.test_vllm_proposer import Runner, proposer
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = proposer(Runner(), history_dir=str(blocker / "sub"))  # a folder under a file: mkdir fails
+    assert p.shared is None and p.recorder is not None
+
+
+def test_the_proposer_settings_table_in_the_docs_is_generated_from_the_type():
+    from pathlib import Path
+
+    from rhymerl.config_reference import proposer_settings_table
+
+    doc = (Path(ROOT) / "docs" / "integrations.md").read_text()
+    assert proposer_settings_table() in doc, "docs/integrations.md's settings table is stale"

@@ -2,9 +2,48 @@
 rollout worker is built from, and what ``LLM(speculative={...})`` takes, field for field."""
 from __future__ import annotations
 
+import types
+import typing
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping
+
+
+def checked_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` as keyword arguments of the dataclass ``cls``: an unknown key, or a value not
+    of its field's type (a string for a bool, a float for an int), is refused naming
+    ``where.key``; an int is taken where a float is wanted."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown} (valid: {sorted(names)})")
+    out = {}
+    for key, value in values.items():
+        tp = hints[key]
+        options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        ok = any(_is(value, t) for t in options)
+        if not ok:
+            want = " or ".join(getattr(t, "__name__", str(t)) for t in options)
+            raise ValueError(f"{where}.{key}: expected {want}, got {value!r}")
+        out[key] = float(value) if float in options and isinstance(value, int) and not isinstance(value, bool) \
+            else value
+    return out
+
+
+def _is(value: Any, tp: Any) -> bool:
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    origin = typing.get_origin(tp)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, tp) if isinstance(tp, type) else True
 
 
 @dataclass
@@ -43,15 +82,11 @@ class SpecConfig:
             return cls(method="none")
         if isinstance(spec, SpecConfig):
             return spec
-        spec = renamed_keys(spec, "speculative")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(spec) - names)
-        if unknown:
-            raise ValueError(f"speculative: unknown keys {unknown} (valid: {sorted(names)})")
+        spec = checked_fields(cls, renamed_keys(spec, "speculative"), "speculative")
         for key in ("index_draft_tokens", "model_draft_tokens"):
-            if key in spec and not (isinstance(spec[key], int) and spec[key] >= 1):
+            if key in spec and not spec[key] >= 1:
                 raise ValueError(f"speculative.{key}: expected an integer >= 1, got {spec[key]!r}")
-        return cls(**dict(spec))
+        return cls(**spec)
 
     def with_(self, **changes: Any) -> "SpecConfig":
         return SpecConfig(**{**asdict(self), **changes})

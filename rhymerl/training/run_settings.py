@@ -60,7 +60,7 @@ def continued_config(run_dir: Path, wanted: RunConfig, checkpoint_step: int, *, 
         raise ConfigError(
             f"{run_dir} holds a run with other settings ({how}): {_describe(learned)}. Start a new run with "
             f"another trainer.output_dir, or continue this one unchanged with `rhymerl train --resume {run_dir}` "
-            f"(placement keys may change: {', '.join(PLACEMENT_KEYS)}; trainer.steps may be raised)")
+            f"(placement keys may change: {', '.join(PLACEMENT_KEYS)}; trainer.steps may change, never below the trained step)")
     cfg = own
     if EXTENSIBLE in changes:  # recorded; placement is this session's alone
         cfg = _extended(run_dir, cfg, int(changes[EXTENSIBLE][1]), checkpoint_step)

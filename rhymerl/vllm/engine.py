@@ -21,6 +21,7 @@ from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.sampler import draw_key
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.vllm import lifetime, sampler_fix
+from rhymerl.vllm.settings import ProposerSettings
 from rhymerl.vllm.methods import vllm_speculative
 from rhymerl.vllm.watchdog import Watchdog, process_tree
 
@@ -115,13 +116,9 @@ def _cpu_env() -> None:
 
 def rhymerl_config(proposer_fields: dict[str, Any], history_path: str | None = None,
                    record_history: bool = True) -> dict[str, Any]:
-    """What the proposer reads from ``additional_config["rhymerl"]`` (see rhymerl.vllm.proposer)."""
-    extra: dict[str, Any] = {"speculative": proposer_fields}
-    if history_path:
-        extra["history"] = str(history_path)
-    if not record_history:
-        extra["record"] = False
-    return extra
+    """What the proposer reads from ``additional_config["rhymerl"]`` (checked here as it will be there)."""
+    return ProposerSettings.from_mapping({"speculative": proposer_fields, "history": str(history_path) if history_path
+                                          else None, "record": record_history}).to_dict()
 
 
 class VllmEngine:

@@ -8,17 +8,18 @@ Any vLLM program can load it, with one config line::
     LLM(path, speculative_config={"method": "custom_class",
                                   "model": "rhymerl.vllm.HistoSpecProposer",
                                   "num_speculative_tokens": 8})
-    llm.generate(prompts, SamplingParams(..., extra_args={"prompt_key": "17"}))  # optional
+    llm.generate(prompts, SamplingParams(..., max_tokens=512, extra_args={"prompt_key": f"q{i}"}))  # key optional, one per prompt
 
 It records history itself: each finished response goes under its prompt's key
 (``extra_args["prompt_key"]``, else a hash of the prompt's tokens: :func:`prompt_hash_key`), a
 prompt's rollout (its samples live together) is committed when its last sample finishes, and
 the last ``history_epochs`` rollouts per prompt are kept within a token budget, oldest first
 out. So an RL framework that calls ``generate`` over the same prompts epoch after epoch drafts
-from the earlier epochs with no code of ours in its loop. ``additional_config["rhymerl"]``:
+from the earlier epochs with no code of ours in its loop. ``additional_config["rhymerl"]``
+(:class:`rhymerl.vllm.settings.ProposerSettings`: typed, an unknown key refused by name):
 
 - ``history``: a history file a rhymerl run wrote (``RUN/checkpoints/step_N/history.json.gz``);
-- ``history_tokens``: the token budget (default :data:`HISTORY_TOKENS`);
+- ``history_tokens``: the token budget (default :data:`rhymerl.vllm.settings.HISTORY_TOKENS`);
 - ``record``: false turns self-recording off;
 - ``history_dir``: a folder several engines share (one per GPU, as verl and OpenRLHF run them):
   each appends what it records and reads the others' (:mod:`rhymerl.vllm.shared_history`), at
@@ -53,13 +54,13 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Sequence, Status
 from rhymerl.rollout_engines import get_engine, unsupported
 from rhymerl.vllm.draft_cutoff import DraftCutoff, token_confidence
+from rhymerl.vllm.settings import ProposerSettings
 from rhymerl.vllm.shared_history import SharedHistory
 
 log = logging.getLogger(__name__)
 
 # Sources that draft from token occurrences (no model of their own): what runs inside vLLM.
 INDEX_SOURCES = ("prompt_history", "global_history", "siblings", "ngram")
-HISTORY_TOKENS = 10_000_000  # the recorded history's default token budget (about 0.4 GB as Python lists)
 
 
 def prompt_hash_key(prompt_ids) -> str:
@@ -108,28 +109,28 @@ class HistoSpecProposer:
     def __init__(self, vllm_config: Any, *, runner: Any = None) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
-        extra = dict((vllm_config.additional_config or {}).get("rhymerl", {}))
-        self.cfg = proposer_config(self.k, extra.get("speculative"))
+        extra = ProposerSettings.from_mapping((vllm_config.additional_config or {}).get("rhymerl"))
+        self.cfg = proposer_config(self.k, extra.speculative)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         vocab = int(vllm_config.model_config.get_vocab_size())
-        budget = int(extra.get("history_tokens", HISTORY_TOKENS))
+        budget = extra.history_tokens
         self.store = HistoryStore(max_rollouts=max(1, self.cfg.history_epochs), max_total_tokens=budget)
-        if extra.get("history"):
+        if extra.history:
             # Bounded like the store: a file never unzips past what its tokens could take as JSON.
-            self.store.replace_with(HistoryStore.load(extra["history"], vocab_size=vocab, max_total_tokens=budget,
+            self.store.replace_with(HistoryStore.load(extra.history, vocab_size=vocab, max_total_tokens=budget,
                                                       max_bytes=16 * budget + (1 << 20)))
-            log.info("rhymerl history: %d prompts from %s", len(self.store), extra["history"])
-        # Several engines: what each records goes through a shared folder to the others.
-        self.shared = SharedHistory(extra["history_dir"], self.store, vocab_size=vocab,
-                                    interval_s=float(extra.get("history_sync_s", 5.0)),
-                                    max_bytes=int(extra.get("history_dir_bytes", 1 << 30))) \
-            if extra.get("history_dir") else None
-        self.recorder = Recorder(self.store, self.shared.record if self.shared else None) \
-            if extra.get("record", True) else None
-        if "draft_gate" in extra:
-            raise ValueError("rhymerl.vllm.HistoSpecProposer: additional_config['rhymerl']['draft_gate'] is gone; "
-                             "additional_config['rhymerl']['speculative']['gate'] (on by default) decides how far "
-                             "each row drafts")
+            log.info("rhymerl history: %d prompts from %s", len(self.store), extra.history)
+        # Several engines: what each records goes through a shared folder to the others; a
+        # folder that cannot be made costs the sharing (drafts), never the engine.
+        self.shared = None
+        if extra.history_dir:
+            try:
+                self.shared = SharedHistory(extra.history_dir, self.store, vocab_size=vocab,
+                                            interval_s=extra.history_sync_s, max_bytes=extra.history_dir_bytes)
+            except OSError as e:
+                log.warning("rhymerl history_dir %s: %s; this engine drafts from its own history only",
+                            extra.history_dir, e)
+        self.recorder = Recorder(self.store, self.shared.record if self.shared else None) if extra.record else None
         # Each row's draft ends where this engine's costs say its tokens stop paying (draft_cutoff.py).
         self.cutoff = DraftCutoff(self.k) if self.cfg.gate else None
         self._t_end: float | None = None  # when the last propose call returned (vLLM's step runs between)
@@ -182,7 +183,10 @@ class HistoSpecProposer:
         max_tokens = sp.max_tokens if sp is not None and sp.max_tokens else self.max_model_len
         size = int(args.get("group_size", 1))
         temperature = float(sp.temperature or 0.0) if sp is not None else 0.0
-        seq = Sequence(gid, int(args.get("sample", 0)), prompt,
+        # A request that names no sample (vLLM's n>1 children, verl, TRL, plain generate calls):
+        # each distinct request of the group gets the next index, so every sibling is indexed.
+        sample = int(args["sample"]) if "sample" in args else self._groups.admitted.get(gid, 0)
+        seq = Sequence(gid, sample, prompt,
                        SamplingParams(n=size, max_tokens=max_tokens, temperature=temperature),
                        0, str(key), status=Status.RUNNING, group_size=size)
         seq.limit = min(max_tokens, self.max_model_len - n_prompt)
