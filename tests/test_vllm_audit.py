@@ -160,3 +160,13 @@ def test_the_proposer_settings_table_in_the_docs_is_generated_from_the_type():
 
     doc = (Path(ROOT) / "docs" / "integrations.md").read_text()
     assert proposer_settings_table() in doc, "docs/integrations.md's settings table is stale"
+
+
+def test_a_forced_v2_model_runner_is_refused_naming_the_version():
+    pytest.importorskip("vllm")
+    from rhymerl.vllm.engine import VllmUnavailable, check_runner
+
+    check_runner({"method": "custom_class"}, env={})  # the V1 runner: runs
+    check_runner({"method": "eagle3"}, env={"VLLM_USE_V2_MODEL_RUNNER": "1"})  # V2 runs eagle3
+    with pytest.raises(VllmUnavailable, match=r"vLLM 0\.\d+.*VLLM_USE_V2_MODEL_RUNNER=1 .* no 'custom_class' proposer"):
+        check_runner({"method": "custom_class"}, env={"VLLM_USE_V2_MODEL_RUNNER": "1"})

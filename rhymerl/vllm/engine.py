@@ -107,6 +107,29 @@ def import_vllm() -> None:
         raise
 
 
+# vLLM's V2 model runner speculates only with methods that run on the GPU batch (eagle, eagle3,
+# mtp, dflash, dspark); these fall back to the V1 runner, which must therefore be the one running.
+V1_ONLY_METHODS = ("custom_class", "ngram", "suffix")
+
+
+def check_runner(spec: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ) -> None:
+    """Refuse, in one line naming the version, a speculative method this vLLM would not run:
+    one of :data:`V1_ONLY_METHODS` with the V2 model runner forced (VLLM_USE_V2_MODEL_RUNNER=1),
+    or a ``custom_class`` that this vLLM no longer knows."""
+    if spec is None or spec.get("method") not in V1_ONLY_METHODS:
+        return
+    import vllm
+    from vllm.config import speculative
+
+    method = spec["method"]
+    if env.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true", "yes"):
+        raise VllmUnavailable(f"vLLM {vllm.__version__}: VLLM_USE_V2_MODEL_RUNNER=1 forces the V2 model runner, whose "
+                              f"speculation runs no {method!r} proposer (HistoSpec is one); unset it for the V1 runner")
+    if method == "custom_class" and "custom_class" not in str(getattr(speculative, "SpeculativeMethod", "custom_class")):
+        raise VllmUnavailable(f"vLLM {vllm.__version__} has no 'custom_class' speculative method: HistoSpec runs in "
+                              "vLLM 0.32 (docs/design.md, 'vLLM's V2 model runner')")
+
+
 def _cpu_env() -> None:
     """vLLM's CPU backend reserves 92 % of free memory for KV unless told a size in GiB."""
     if torch.cuda.is_available():
@@ -136,6 +159,7 @@ class VllmEngine:
         os.environ[lifetime.OWNER] = str(os.getpid())  # its processes end with this one (lifetime.py)
         check_model(model_path)
         spec, proposer_fields = vllm_speculative(speculative)
+        check_runner(spec)
         extra = rhymerl_config(proposer_fields, history_path, record_history)
         self.speculative = spec
         self.timeout_s = timeout_s

@@ -138,6 +138,7 @@ class HistoSpecProposer:
         # The cutoff gates here, from each drafted token's confidence (the index's probabilities).
         self.controller = SpecController(self.cfg.with_(gate=False), self.store, with_probs=self.cutoff is not None)
         self.runner = runner if runner is not None else _find_runner()
+        log.info("rhymerl HistoSpec: proposing inside vLLM's %s (the V1 model runner)", type(self.runner).__name__)
         self._seqs: dict[str, Sequence] = {}
         self._groups = _Groups()
         self._last: tuple[list[Sequence], list[str], list[int], list, Any] | None = None  # rows drafted last step
