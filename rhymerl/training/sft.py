@@ -235,9 +235,12 @@ def stale_keys(card: dict, cfg: RunConfig) -> list[str]:
 
 
 def ensure_base_model(cfg: RunConfig) -> Path:
-    """The policy to start from: ``model.path``, or the task's SFT base (trained if missing)."""
+    """The policy to start from: ``model.path`` (an HF folder, a GGUF file or a named model such
+    as ``smollm2``: :mod:`rhymerl.model.gguf`), or the task's SFT base (trained if missing)."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        from rhymerl.model.gguf import resolve_model
+
+        return resolve_model(cfg.model.path)
     out = sft_output_dir(cfg)
     card_path = out / CARD
     if card_path.exists():
