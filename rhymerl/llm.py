@@ -46,6 +46,10 @@ class LLM:
                  seed: int = 0, invariant: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
+        if isinstance(model, (str, Path)):
+            from rhymerl.model.gguf import resolve_model
+
+            model = resolve_model(model)  # a named model or a .gguf: its converted folder
         self._path = str(model) if isinstance(model, (str, Path)) else None
         if isinstance(model, (str, Path)):
             from rhymerl.tokenizer import load_tokenizer
