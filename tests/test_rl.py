@@ -388,44 +388,41 @@ def test_the_heldout_gain_carries_a_paired_bootstrap_interval(capsys, tmp_path):
     assert "train reward (mean of the first/last 20 steps): 0.12 -> 0.38 (+0.25)" in out
 
 
-def test_drafter_health_marks_a_collapse_once():
+def _collapse(h, steps) -> tuple[list[float], list]:
+    """``h``'s health over steps of 1.0 token per forward, and the warnings it logged."""
     import logging
 
-    from rhymerl.training.engine_checks import DrafterHealth
-
-    h = DrafterHealth(window=4)
-    healthy = [h.update(v, s) for s, v in enumerate([1.0, 2.4, 2.5, 2.6, 2.5, 2.4], 1)]
-    assert all(x > 0.8 for x in healthy[2:])
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("rhymerl.training.engine_checks").addHandler(handler)
     try:
-        collapsed = [h.update(1.0, s) for s in range(7, 12)]
+        return [h.update(1.0, s) for s in steps], records
     finally:
         logging.getLogger("rhymerl.training.engine_checks").removeHandler(handler)
+
+
+def test_drafter_health_marks_a_collapse_once():
+    from rhymerl.training.engine_checks import DrafterHealth
+
+    h = DrafterHealth(window=4)
+    healthy = [h.update(v, s) for s, v in enumerate([1.0, 2.4, 2.5, 2.6, 2.5, 2.4], 1)]
+    assert all(x > 0.8 for x in healthy[2:])
+    collapsed, records = _collapse(h, range(7, 12))
     assert all(x < 0.5 for x in collapsed)  # judged against the healthy trail, not a falling one
     assert len(records) == 1 and "step 9" in records[0].getMessage()
 
 
 def test_drafter_health_warns_when_the_main_jobs_acceptance_collapses():
     """A trail like the main job's (1.5-1.7 tokens per forward) falling to 1.0: the drafts add
-    nothing, so health reads 0 and warns; the collapsed steps never enter the trail."""
-    import logging
-
+    nothing, so health reads 0 and warns; the collapsed steps never enter the trail (the old
+    rule, tokens per forward over its mean, read 0.62 here and never warned)."""
     from rhymerl.training.engine_checks import DrafterHealth
 
     h = DrafterHealth(window=10)
     for s, v in enumerate([1.55, 1.62, 1.70, 1.58, 1.66, 1.60], 1):
         assert h.update(v, s) > 0.7
     trail = list(h.trail)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("rhymerl.training.engine_checks").addHandler(handler)
-    try:
-        collapsed = [h.update(1.0, s) for s in range(7, 12)]
-    finally:
-        logging.getLogger("rhymerl.training.engine_checks").removeHandler(handler)
+    collapsed, records = _collapse(h, range(7, 12))
     assert all(x < 0.5 for x in collapsed) and len(records) == 1
     assert h.trail == trail
