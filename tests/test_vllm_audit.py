@@ -170,3 +170,30 @@ def test_a_forced_v2_model_runner_is_refused_naming_the_version():
     check_runner({"method": "eagle3"}, env={"VLLM_USE_V2_MODEL_RUNNER": "1"})  # V2 runs eagle3
     with pytest.raises(VllmUnavailable, match=r"vLLM 0\.\d+.*VLLM_USE_V2_MODEL_RUNNER=1 .* no 'custom_class' proposer"):
         check_runner({"method": "custom_class"}, env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+
+
+def test_two_engines_halves_of_a_group_merge_through_the_shared_folder(tmp_path):
+    """history_epochs=1: engines A and B each serve half of a prompt's group; after they read each
+    other's segment each holds the whole group, not only the other's half; a late segment of an
+    older epoch does not displace the newer one."""
+    from rhymerl.drafting import HistoryStore
+    from rhymerl.vllm.shared_history import SharedHistory
+
+    stores = [HistoryStore(max_rollouts=1), HistoryStore(max_rollouts=1)]
+    shares = [SharedHistory(tmp_path, s, vocab_size=50, interval_s=0) for s in stores]
+    prompt = [1, 2, 3]
+    for i, (store, share) in enumerate(zip(stores, shares)):
+        half = [[10 + i, 11], [20 + i, 21]]
+        store.add("p", prompt, half, 1)
+        share.record("p", prompt, half, 1)
+    for share in shares:
+        share.tick(now=1.0)
+    for share in shares:
+        share.tick(now=2.0)
+    for store in stores:
+        (r,) = store.prompts["p"].rollouts
+        assert r.step == 1 and sorted(x[0] for x in r.responses) == [10, 11, 20, 21]
+    stores[0].add("p", prompt, [[30, 31]], 2)
+    stores[0].add("p", prompt, [[40, 41]], 1)  # late: epoch 1 after epoch 2 is kept
+    (r,) = stores[0].prompts["p"].rollouts
+    assert r.step == 2 and r.responses == [[30, 31]]

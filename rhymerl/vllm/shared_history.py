@@ -87,7 +87,8 @@ class SharedHistory:
                 continue
             for key, h in seg.prompts.items():
                 for r in h.rollouts:
-                    self.store.add(key, h.prompt_tail, r.responses, self.store.next_step(key), r.rewards)
+                    # the step the writer recorded: a group served by two engines merges its halves
+                    self.store.add(key, h.prompt_tail, r.responses, r.step, r.rewards)
             self.read += 1
 
     def _bound(self, keep: str) -> None:
