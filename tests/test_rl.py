@@ -426,3 +426,15 @@ def test_drafter_health_warns_when_the_main_jobs_acceptance_collapses():
     collapsed, records = _collapse(h, range(7, 12))
     assert all(x < 0.5 for x in collapsed) and len(records) == 1
     assert h.trail == trail
+
+
+def test_drafter_health_does_not_warn_before_drafting_has_paid():
+    """A first epoch that drafts next to nothing (1.00-1.01 tokens per forward) sets no bar: a
+    step of 1.00 after it is no collapse (the main job under load warned at step 7 before)."""
+    from rhymerl.training.engine_checks import DrafterHealth
+
+    h = DrafterHealth(window=10)
+    for s, v in enumerate([1.0, 1.01, 1.0, 1.005], 1):
+        h.update(v, s)
+    _, records = _collapse(h, range(5, 10))
+    assert records == []

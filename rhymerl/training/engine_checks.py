@@ -84,8 +84,8 @@ class DrafterHealth:
     for ``patience`` steps in a row gives one warning. Collapsed steps stay out of the trail,
     so a collapse never lowers the bar it is judged by."""
 
-    def __init__(self, window: int = 10, collapse: float = 0.5, patience: int = 3) -> None:
-        self.window, self.collapse, self.patience = window, collapse, patience
+    def __init__(self, window: int = 10, collapse: float = 0.5, patience: int = 3, min_gain: float = 0.1) -> None:
+        self.window, self.collapse, self.patience, self.min_gain = window, collapse, patience, min_gain
         self.trail: list[float] = []  # drafted-and-accepted tokens per forward of healthy steps
         self.low = 0
         self.warned = False
@@ -94,7 +94,8 @@ class DrafterHealth:
         gain = max(0.0, accepted_per_forward - 1.0)
         mean = sum(self.trail) / len(self.trail) if self.trail else gain
         health = gain / mean if mean > 0 else 1.0
-        collapsed = bool(self.trail) and mean > 0 and health < self.collapse
+        # judged only once drafting has paid (a first epoch drafts next to nothing: no bar yet)
+        collapsed = bool(self.trail) and mean >= self.min_gain and health < self.collapse
         self.low = self.low + 1 if collapsed else 0
         if self.low >= self.patience and not self.warned:
             self.warned = True
