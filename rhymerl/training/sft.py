@@ -54,8 +54,9 @@ def draft_config(cfg: RunConfig) -> RunConfig:
 
 def short_base(card: dict) -> str | None:
     """Why a base cut short by ``sft.max_minutes`` is a worse start for RL, or None for a whole one."""
-    planned = card.get("config", {}).get("sft", {}).get("steps", card["steps"])
-    if card["steps"] >= planned:
+    done = card.get("steps")
+    planned = card.get("config", {}).get("sft", {}).get("steps", done)
+    if done is None or planned is None or done >= planned:
         return None
     return (f"the base trained {card['steps']} of its {planned} SFT steps (sft.max_minutes cut it); a short base "
             f"starts RL lower and may not learn at all. Unset sft.max_minutes and delete the base to train it whole")
