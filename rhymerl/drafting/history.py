@@ -79,22 +79,14 @@ class HistoryStore:
         self._touch(h)
         r = Rollout(step, [list(x) for x in responses], list(rewards) if rewards else [None] * len(responses))
         same = next((x for x in h.rollouts if x.step == step), None)
+        at = next((i for i, x in enumerate(h.rollouts) if x.step > step), len(h.rollouts))  # step order
         if same is not None:  # the same step again: merge (a group's samples split between engines)
             same.responses += r.responses
             same.rewards += r.rewards
             self.total_tokens += r.num_tokens
-        elif h.rollouts and step < h.rollouts[-1].step and (len(h.rollouts) >= self.max_rollouts
-                                                             and step < h.rollouts[0].step):
-            pass  # a late rollout older than every kept one never displaces newer data
-        elif h.rollouts and step < h.rollouts[-1].step:  # late, within the kept window: in step order
-            h.rollouts.insert(next(i for i, x in enumerate(h.rollouts) if x.step > step), r)
-            self._order[(key, step)] = None
-            self._log.append((key, step))
-            self.total_tokens += r.num_tokens
-            while len(h.rollouts) > self.max_rollouts:
-                self._drop(key, h.rollouts[0].step)
-        else:
-            h.rollouts.append(r)
+        elif not (at == 0 and h.rollouts and len(h.rollouts) >= self.max_rollouts):
+            # (a late rollout older than every kept one in a full window never displaces newer data)
+            h.rollouts.insert(at, r)
             self._order[(key, step)] = None
             self._log.append((key, step))
             if len(self._log) > 2 * len(self._order) + 1024:  # cursors older than the kept half read everything
