@@ -434,6 +434,9 @@ def _validate(cfg: RunConfig) -> None:
                 raise ConfigError(f"{key}: {f}: file not found")
     if not cfg.data.train_files and cfg.data.task not in TASKS:
         raise ConfigError(f"data.task: unknown task {cfg.data.task!r} (built-in: {sorted(TASKS)})")
+    if not cfg.data.train_files and TASKS[cfg.data.task].chat and not cfg.model.path:
+        raise ConfigError(f"data.task: {cfg.data.task!r} is a chat task for a pretrained model; "
+                          f"set model.path (an HF folder, a GGUF file, or smollm2)")
     sp = cfg.rollout.speculative
     if sp.pattern_min > sp.pattern_max or sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError("rollout.speculative: pattern_min/prompt_lookup_min must not exceed pattern_max/"

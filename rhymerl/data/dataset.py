@@ -118,9 +118,9 @@ def task_dataset(task: Task, n: int, seed: int, *, exclude: set[str] | None = No
         if attempts > 50 * n + 1000:
             raise DatasetError(f"task {task.name}: could not draw {n} distinct prompts")
         p = task.make_problem(rng)
-        if p.prompt in seen:
+        if str(p.prompt) in seen:
             continue
-        seen.add(p.prompt)
+        seen.add(str(p.prompt))
         rows.append(PromptRow(key=f"{key_prefix}{len(rows)}", prompt=p.prompt, data_source=task.data_source,
                               ground_truth=p.ground_truth,
                               extra_info={"index": len(rows), "solution": p.solution},

@@ -1,9 +1,10 @@
 """Built-in offline tasks with verifiable rewards, by name."""
 from rhymerl.tasks.arith import ArithTask
 from rhymerl.tasks.base import Problem, Task
+from rhymerl.tasks.chat_sums import ChatSumsTask
 from rhymerl.tasks.countdown import CountdownTask
 
-TASKS: dict[str, type[Task]] = {"arith": ArithTask, "countdown": CountdownTask}
+TASKS: dict[str, type[Task]] = {"arith": ArithTask, "countdown": CountdownTask, "chat_sums": ChatSumsTask}
 
 
 def get_task(name: str) -> Task:
@@ -12,4 +13,4 @@ def get_task(name: str) -> Task:
     return TASKS[name]()
 
 
-__all__ = ["TASKS", "ArithTask", "CountdownTask", "Problem", "Task", "get_task"]
+__all__ = ["TASKS", "ArithTask", "ChatSumsTask", "CountdownTask", "Problem", "Task", "get_task"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 class Problem:
     """One generated problem: the prompt, what the verifier checks against, and a worked solution."""
 
-    prompt: str
+    prompt: str | list[dict[str, str]]  # text, or chat messages for the model's chat template
     ground_truth: str
     solution: str  # a correct response, used as SFT data; one of several valid ones
 
@@ -20,6 +20,7 @@ class Task(ABC):
 
     name: str
     alphabet: str  # every character a prompt or response of this task may contain
+    chat: bool = False  # prompts are chat messages for a pretrained model (no SFT base from scratch)
 
     @abstractmethod
     def make_problem(self, rng: random.Random) -> Problem:

@@ -13,6 +13,7 @@ from typing import Any
 
 from rhymerl.atomic_io import atomic_write_text
 from rhymerl.config import ConfigError, RunConfig
+from rhymerl.model.gguf import NAMED_MODELS
 
 log = logging.getLogger(__name__)
 INPUTS = "inputs.json"
@@ -26,7 +27,7 @@ def with_absolute_paths(cfg: RunConfig) -> RunConfig:
     def absolute(p: str) -> str:
         return str(Path(p).expanduser().absolute())
 
-    if cfg.model.path:
+    if cfg.model.path and cfg.model.path not in NAMED_MODELS:  # a name (smollm2) stays a name
         cfg.model.path = absolute(cfg.model.path)
     if cfg.data.reward_file:
         cfg.data.reward_file = absolute(cfg.data.reward_file)

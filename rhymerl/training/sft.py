@@ -162,6 +162,9 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
     t_start = clock()
     out = Path(out_dir) if out_dir is not None else sft_output_dir(cfg)
     task = get_task(cfg.data.task)
+    if task.chat:
+        raise ValueError(f"task {task.name!r} is a chat task: it trains a pretrained model (model.path), "
+                         f"not a base from scratch")
     tok = build_char_tokenizer(task.alphabet)
     model = _new_model(cfg, tok)
     device = resolve_device(cfg.model.device)
