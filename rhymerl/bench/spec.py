@@ -20,6 +20,7 @@ import numpy as np
 
 from rhymerl.bench.common import bootstrap_interval, print_table, write_report
 from rhymerl.drafting import HistoryStore, SpecConfig, build_proposer
+from rhymerl.drafting.rhyme import covered_share
 from rhymerl.engine import SamplingParams
 from rhymerl.engine.llm_engine import accepted_per_forward
 from rhymerl.llm import LLM
@@ -37,17 +38,6 @@ def _default_model() -> str:
     cfg = load_config()
     ck = latest_checkpoint(run_dir_for(cfg))
     return str(ck / "policy") if ck is not None else str(ensure_base_model(cfg))
-
-
-def reusable_share(responses: list[list[int]], previous: list[list[int]], k: int = 4) -> float:
-    """Share of tokens whose k-gram (ending at them) occurs in the previous epoch's responses."""
-    grams = {tuple(r[i - k:i]) for r in previous for i in range(k, len(r) + 1)}
-    hit = total = 0
-    for r in responses:
-        for i in range(k, len(r) + 1):
-            total += 1
-            hit += tuple(r[i - k:i]) in grams
-    return hit / total if total else 0.0
 
 
 def rank_moves(prev_len: list[float], cur_len: list[float], groups: int = 4) -> float:
@@ -117,22 +107,26 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
         draft_head: str | None = None, prompts: int = 32, n: int = 8, epochs=(1, 3), max_num_seqs: int = 64,
         max_tokens: int = 160, temperatures=(1.0, 0.6), gates=(False, True), methods=METHODS,
         index_draft_tokens: int = 16, reps: int = 5, quick: bool = False, dtype: str = "float32",
-        task_cfg=None) -> dict[str, Any]:
+        task_cfg=None, task: str | None = None) -> dict[str, Any]:
     """Rows per temperature, measured epoch, gate (off: every drafter drafts all it finds, so
     tokens per forward measure the sources alone; on: the batch gate decides from this
     machine's measured costs) and method."""
     from rhymerl.config import load_config
     from rhymerl.data.splits import task_splits
+    from rhymerl.device import resolve_device, resolve_dtype
     from rhymerl.model import load_pretrained
+    from rhymerl.model.gguf import resolve_model
+    from rhymerl.tasks import TASKS
     from rhymerl.training.sft import ensure_draft_model
 
-    from rhymerl.device import resolve_device, resolve_dtype
-
-    model = model or _default_model()
+    model = str(resolve_model(model)) if model else _default_model()
     cfg = task_cfg or load_config()
+    if task is not None:
+        cfg.data.task = task
     # Targets load where the engines run: a draft model is placed beside its target.
     device, torch_dtype = resolve_device("auto"), resolve_dtype(dtype)
-    if draft_model is None:
+    wants_draft = any(m.startswith(("draft_model", "hybrid")) for m in methods)
+    if draft_model is None and wants_draft and not TASKS[cfg.data.task].chat:  # a chat model has no task draft
         draft_model = str(ensure_draft_model(cfg))
     if draft_head is None:
         draft_head = default_draft_head()
@@ -173,7 +167,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
             prev, cur = per_epoch[-2], per_epoch[-1]
             sim_rows.append({
                 "temperature": temp,
-                "reusable_token_share": float(np.mean([reusable_share(c, p) for c, p in zip(cur, prev)])),
+                "reusable_token_share": float(np.mean([covered_share(c, p) for c, p in zip(cur, prev)])),
                 "rank_moves_across_quartile": rank_moves([float(np.mean([len(x) for x in p])) for p in prev],
                                                          [float(np.mean([len(x) for x in c])) for c in cur]),
             })

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from rhymerl.algos import informative
 from rhymerl.config import RunConfig
 from rhymerl.data import PromptRow
+from rhymerl.drafting.rhyme import covered_tokens
 from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.rollout_engines import get_engine
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
@@ -92,7 +93,7 @@ class RolloutPhase:
         gen_s = time.perf_counter() - t - reward_s
         out = self._gathered(q, step, whole, scored, predicted, gen_s=gen_s, reward_s=reward_s)
         out.version = self.versions.current if version is None else version
-        out.streamed, out.stats = streamed, self._counter_deltas(before)
+        out.streamed, out.stats = streamed, {**out.stats, **self._counter_deltas(before)}
         return out
 
     def _requests(self, rows: list[PromptRow], step: int, carried: list[CarriedGroup]) -> _Requests:
@@ -122,6 +123,7 @@ class RolloutPhase:
                   predicted: list[float | None], *, gen_s: float, reward_s: float) -> ScoredRollout:
         """The scored groups (written into the history) and the paused ones, carried."""
         carry: list[CarriedGroup] = []
+        rhyme = (0, 0)  # response tokens the prompt's earlier responses cover, of those counted
         done = [i for i in range(len(q.reqs)) if i in scored]
         offpolicy = 0
         for i in range(len(q.reqs)):
@@ -136,6 +138,7 @@ class RolloutPhase:
                 if i < len(q.carried):
                     offpolicy += q.carried[i].offpolicy_tokens()
                 if self.history is not None and out.error is None:
+                    rhyme = _rhyme(self.history, q.rows[i].key, out, rhyme)
                     self.history.add(q.rows[i].key, q.reqs[i].prompt_ids, [c.token_ids for c in out.outputs], step,
                                      scored[i].scores)
         extras: dict[str, list[float]] = {}
@@ -146,7 +149,8 @@ class RolloutPhase:
                              sum(scored[i].errors for i in done), sum(scored[i].timeouts for i in done),
                              next((scored[i].first_error for i in done if scored[i].first_error), None),
                              extras, [predicted[i] for i in done], gen_s=gen_s, reward_s=reward_s, carry=carry,
-                             offpolicy_tokens=offpolicy, continued=sum(i < len(q.carried) for i in done))
+                             offpolicy_tokens=offpolicy, continued=sum(i < len(q.carried) for i in done),
+                             stats={"rhyme/covered": rhyme[0], "rhyme/counted": rhyme[1]})
 
     def _counters(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         st, pipe = self.coordinator.stats, self.coordinator.pipe
@@ -237,3 +241,12 @@ class RolloutPhase:
                     kept.scores.append(scores)
         kept.rows, kept.outs, kept.scores = kept.rows[:size], kept.outs[:size], kept.scores[:size]
         return kept
+
+
+def _rhyme(history: Any, key: str, out: RequestOutput, acc: tuple[int, int]) -> tuple[int, int]:
+    """``acc`` plus one group's covered and counted tokens against its prompt's history."""
+    earlier = [r for _step, responses, _rewards in history.export(key) for r in responses]
+    if not earlier:
+        return acc
+    hit, total = covered_tokens([c.token_ids for c in out.outputs], earlier)
+    return acc[0] + hit, acc[1] + total

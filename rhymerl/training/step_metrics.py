@@ -115,6 +115,14 @@ def speculation_metrics(f: StepFacts) -> dict[str, Any]:
     return out
 
 
+def rhyme_metrics(f: StepFacts) -> dict[str, Any]:
+    """How much the step's responses repeat their prompts' earlier ones (rhymerl.drafting.rhyme):
+    the share of counted tokens covered, over the groups that had history."""
+    counted = f.counts.get("rhyme/counted", 0.0)
+    return {"rhyme/covered_share": f.counts.get("rhyme/covered", 0.0) / counted if counted else 0.0,
+            "rhyme/counted_tokens": counted}
+
+
 def scheduling_metrics(f: StepFacts) -> dict[str, Any]:
     """HistoPipe's counters, and how well the history predicted each group's mean length."""
     out: dict[str, Any] = {k: v for k, v in f.counts.items() if k.startswith("pipe/")}
@@ -136,7 +144,7 @@ def merge_counts(first: dict[str, float], more: list[dict[str, float]]) -> dict[
 def step_metrics(f: StepFacts, t: StepTimes) -> dict[str, Any]:
     """Every metric of one step (the update's own are added by the loop)."""
     return {**reward_metrics(f), **response_metrics(f), **data_metrics(f), **timing_metrics(f, t),
-            **speculation_metrics(f), **scheduling_metrics(f)}
+            **speculation_metrics(f), **rhyme_metrics(f), **scheduling_metrics(f)}
 
 
 def async_metrics(old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, staleness: int,
