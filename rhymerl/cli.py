@@ -70,7 +70,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     elif ns.which == "spec" and ns.engine == "vllm":
         from rhymerl.bench.vllm_spec import run
 
-        kw: dict = {k: getattr(ns, k) for k in ("model", "prompts") if getattr(ns, k)}
+        kw: dict = {k: getattr(ns, k) for k in ("model", "prompts", "n", "max_tokens") if getattr(ns, k)}
         if ns.methods:
             kw["methods"] = tuple(ns.methods.split(","))
         if ns.temperatures:
@@ -83,13 +83,15 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["top_p"] = ns.top_p
         if ns.model_width:
             kw["width"] = ns.model_width
+        if ns.max_num_seqs:
+            kw["max_num_seqs"] = ns.max_num_seqs
+        if ns.task:
+            kw["task"] = ns.task
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "spec":
         from rhymerl.bench.spec import run
 
-        kw = {"max_num_seqs": ns.max_num_seqs} if ns.max_num_seqs else {}
-        if ns.prompts:
-            kw["prompts"] = ns.prompts
+        kw = {k: getattr(ns, k) for k in ("max_num_seqs", "prompts", "n", "max_tokens") if getattr(ns, k)}
         if ns.gate != "both":
             kw["gates"] = (ns.gate == "on",)
         for key in ("model", "draft_model", "draft_head"):
@@ -103,6 +105,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["reps"] = ns.reps
         if ns.epochs:
             kw["epochs"] = tuple(int(e) for e in ns.epochs.split(","))
+        if ns.task:
+            kw["task"] = ns.task
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
@@ -204,11 +208,17 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="spec: the engine the methods run in (vllm: ngram, suffix, history inside vLLM); "
                         "pipe: the measured workers' engine")
-    b.add_argument("--max-num-seqs", type=int, help="spec: the rollout batch (default 64)")
-    b.add_argument("--prompts", type=int, help="spec: how many prompts (default 32)")
+    b.add_argument("--max-num-seqs", type=int, help="spec: sequences in flight (default: native 64; "
+                                                     "vllm every sample of the prompts, up to 256)")
+    b.add_argument("--task", help="spec: the built-in task whose prompts are generated (default: the main "
+                                  "job's, arith; chat_sums for a chat model such as smollm2)")
+    b.add_argument("--prompts", type=int, help="spec: how many prompts (default: native 32, vllm 64)")
+    b.add_argument("--n", type=int, help="spec: samples per prompt (default 8)")
+    b.add_argument("--max-tokens", type=int, help="spec: response length cap (default 160)")
     b.add_argument("--gate", choices=["both", "on", "off"], default="both",
                    help="spec: rows with the batch gate, without it (the draft sources alone), or both")
-    b.add_argument("--model", help="spec: the target (default: the main job's newest policy, or its base)")
+    b.add_argument("--model", help="spec: the target, an HF folder, a GGUF file or a named model (smollm2) "
+                                   "(default: the main job's newest policy, or its base)")
     b.add_argument("--draft-model", help="spec: a draft model folder (default: the task's, trained if missing)")
     b.add_argument("--draft-head", help="spec: a saved draft head (default: the main job's newest checkpoint's)")
     b.add_argument("--methods", help="spec: comma-separated subset of the methods")

@@ -52,11 +52,11 @@ class Cohort:
     truths: list[str]
 
 
-def _prompts(model: str, n: int, seed: int = 0, tag: str = "p") -> Cohort:
+def _prompts(model: str, n: int, seed: int = 0, tag: str = "p", task: str = "arith") -> Cohort:
     from rhymerl.tasks import get_task
     from rhymerl.tokenizer import encode_prompt, load_tokenizer
 
-    tok, task, rng = load_tokenizer(model), get_task("arith"), random.Random(seed)
+    tok, task, rng = load_tokenizer(model), get_task(task), random.Random(seed)
     problems = [task.make_problem(rng) for _ in range(n)]
     return Cohort([encode_prompt(tok, p.prompt) for p in problems], [f"{tag}{i}" for i in range(n)], tok, task,
                   [p.ground_truth for p in problems])
@@ -72,11 +72,14 @@ def _epoch(engine, prompts, keys, params, seed: int) -> tuple[list[list[Any]], f
 def run(json_path: str | None = None, *, quick: bool = False, model: str | None = None, prompts: int = 64,
         n: int = 8, max_tokens: int = 160, temperatures: tuple[float, ...] = (1.0,), epochs: int = 3,
         methods: tuple[str, ...] | None = None, max_model_len: int = 256, rounds: int = 5,
-        top_p: float = 1.0, width: str | None = None) -> list[dict[str, Any]]:
+        top_p: float = 1.0, width: str | None = None, task: str = "arith",
+        max_num_seqs: int | None = None) -> list[dict[str, Any]]:
+    """``max_num_seqs``: sequences in flight (default: every sample of the cohort, up to 256)."""
     from rhymerl.bench.spec import _default_model
+    from rhymerl.model.gguf import resolve_model
     from rhymerl.vllm.engine import VllmEngine
 
-    model = model or _default_model()
+    model = str(resolve_model(model)) if model else _default_model()
     if width is not None:  # the same policy at a larger model's cost per forward
         model = _widened(model, width)
     names = [m for m in (methods or tuple(METHODS)) if m != "none"]
@@ -88,12 +91,12 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
         names.remove("suffix")
     if quick:
         prompts, epochs, rounds = min(prompts, 32), min(epochs, 2), 1
-    batch = min(256, prompts * n)
+    batch = max_num_seqs or min(256, prompts * n)
     plain = VllmEngine(model, max_num_seqs=batch, max_model_len=max_model_len, seed=0)
     engines = {m: VllmEngine(model, max_num_seqs=batch, max_model_len=max_model_len, speculative=METHODS[m], seed=0)
                for m in names}
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
-    check = _prompts(model, prompts, seed=0, tag="g")  # prompts of their own: no round's cohort is seen early
+    check = _prompts(model, prompts, seed=0, tag="g", task=task)  # prompts of their own: no round's cohort is seen early
     plain_greedy, _ = _epoch(plain, check.ids, check.keys, greedy, seed=0)
     identical = {m: [s.tokens for g in _epoch(e, check.ids, check.keys, greedy, seed=0)[0] for s in g] ==
                  [s.tokens for g in plain_greedy for s in g] for m, e in engines.items()}
@@ -102,7 +105,8 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
     for t, temperature in enumerate(temperatures):
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         # Round r of every epoch runs cohort r: its epoch 1 is the first time any engine sees it.
-        cohorts = [_prompts(model, prompts, seed=1 + t * rounds + r, tag=f"t{t}r{r}p") for r in range(rounds)]
+        cohorts = [_prompts(model, prompts, seed=1 + t * rounds + r, tag=f"t{t}r{r}p", task=task)
+                   for r in range(rounds)]
         for epoch in range(1, epochs + 1):
             rows += _epoch_rounds(plain, engines, cohorts, params, epoch, past, identical)
     plain.close()
@@ -114,7 +118,7 @@ def run(json_path: str | None = None, *, quick: bool = False, model: str | None 
                        "drafted_per_forward", "tok_s", "speedup", "speedup_lo", "speedup_hi", "vs_" + PEER,
                        "vs_" + PEER + "_lo", "vs_" + PEER + "_hi", "accuracy", "mean_len", "greedy_identical",
                        "lossless_pvalue", "propose_share"])
-    write_report(rows, json_path, {"model": model, "prompts": prompts, "n": n, "max_tokens": max_tokens,
+    write_report(rows, json_path, {"model": model, "task": task, "prompts": prompts, "n": n, "max_tokens": max_tokens,
                                    "rounds": rounds, "top_p": top_p})
     return rows
 
