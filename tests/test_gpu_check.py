@@ -59,3 +59,37 @@ def test_gpu_check_dry_run_offline_without_the_project_installed(tmp_path):
     methods = {(r["max_num_seqs"], r["method"]) for r in phases["speed"]["rows"]}
     assert methods == {(b, m) for b in (8, 32) for m in ("none", "histospec_path", "histospec_tree", "draft_model")}
     assert (out / "gpu_check.log").read_text().count("[gpu_check]") >= 6
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_verdict_fails_on_the_broken_case():
+    """What the audit saw pass: a base at 0 % whose every response ran to the cap, identity at
+    1.03 tokens per forward, a 1.63x inside an A/A spread of 2.14."""
+    g = _script()
+    assert not g.base_learnt({"heldout_greedy_accuracy": 0.0, "format_ok": 0.0}, g.DRY)
+    assert not g.base_learnt({"heldout_greedy_accuracy": 0.15, "format_ok": 0.9}, g.GPU)
+    assert g.base_learnt({"heldout_greedy_accuracy": 0.3, "format_ok": 0.9}, g.GPU)
+    same = {"greedy_identical_with_histospec": True, "invariant_identical_batch_4_vs_64": True}
+    assert not g.drafted_identically({**same, "history_accepted_per_forward_all_epochs": 1.03})
+    assert g.drafted_identically({**same, "history_accepted_per_forward_all_epochs": 1.4})
+    assert g._beyond_noise({"speedup": 1.63, "aa_noise": 2.14}) is False
+    assert g._beyond_noise({"speedup": 1.3, "aa_noise": 0.05}) is True
+
+
+def test_the_whole_check_fits_the_devices_command_limit():
+    """The build's and the Python part's timeouts together stay at or under 540 s."""
+    import re
+
+    sh = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    timeouts = [int(t) for t in re.findall(r"timeout (\d+) \$PY", sh)]
+    assert len(timeouts) == 2 and sum(timeouts) <= 540
+    assert f"default={timeouts[1] - 15}" in (ROOT / "scripts" / "gpu_check.py").read_text()
