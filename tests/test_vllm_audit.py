@@ -188,8 +188,10 @@ def test_two_engines_halves_of_a_group_merge_through_the_shared_folder(tmp_path)
         share.record("p", prompt, half, 1)
     for share in shares:
         share.tick(now=1.0)
+        share.flush()
     for share in shares:
         share.tick(now=2.0)
+        share.flush()
     for store in stores:
         (r,) = store.prompts["p"].rollouts
         assert r.step == 1 and sorted(x[0] for x in r.responses) == [10, 11, 20, 21]
@@ -197,3 +199,35 @@ def test_two_engines_halves_of_a_group_merge_through_the_shared_folder(tmp_path)
     stores[0].add("p", prompt, [[40, 41]], 1)  # late: epoch 1 after epoch 2 is kept
     (r,) = stores[0].prompts["p"].rollouts
     assert r.step == 2 and r.responses == [[30, 31]]
+
+
+def test_the_drafting_step_never_waits_for_a_slow_folder_and_a_foreign_tokenizer_is_refused(tmp_path, monkeypatch):
+    """A read taking 0.5 s leaves tick() at once (the drafts go on with the history there is);
+    the next tick takes it in. A segment of another tokenizer with the same vocabulary size, or
+    with no fingerprint at all, is skipped."""
+    import threading
+    import time
+
+    from rhymerl.drafting import HistoryStore
+    from rhymerl.vllm.shared_history import SharedHistory
+
+    for name, fp in (("a", "tok-A"), ("b", "tok-B"), ("c", None)):
+        seg = HistoryStore(tokenizer_fingerprint=fp)
+        seg.add(name, [1, 2], [[3, 4, 5]], 1)
+        seg.save(tmp_path / f"0000000000000000000{ord(name)}-{name}.hist.gz")
+    store = HistoryStore()
+    share = SharedHistory(tmp_path, store, vocab_size=50, interval_s=0, tokenizer_fingerprint="tok-A")
+    slow = threading.Event()
+    load = HistoryStore.load
+
+    def slow_load(*a, **k):
+        slow.wait(0.5)
+        return load(*a, **k)
+
+    monkeypatch.setattr(HistoryStore, "load", staticmethod(slow_load))
+    t = time.perf_counter()
+    share.tick(now=1.0)
+    share.tick(now=2.0)  # the job is still reading: nothing waits
+    assert time.perf_counter() - t < 0.3 and "a" not in store
+    share.flush()
+    assert "a" in store and "b" not in store and "c" not in store and (share.read, share.skipped) == (1, 2)

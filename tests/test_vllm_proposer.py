@@ -458,12 +458,15 @@ def test_a_damaged_or_foreign_segment_is_skipped_with_one_warning_and_the_folder
     shared = SharedHistory(folder, store, vocab_size=VOCAB, interval_s=0, max_bytes=1)
     with caplog.at_level("WARNING"):
         shared.tick(0.0)
+        shared.flush()
         shared.tick(1.0)  # read once: no second warning
+        shared.flush()
     assert (shared.read, shared.skipped) == (1, 2) and "p" not in store
     assert store.prompts["q"].rollouts[0].responses == [[3, 4, 5]]
     assert sum("discarded" in r.getMessage() for r in caplog.records) == 2
     shared.record("r", [1], [[6, 7]], 1)
     shared.tick(2.0)  # written, then the folder cut to its bound: the oldest first, its own last
+    shared.flush()
     assert [p.name.endswith(shared.engine_id + ".hist.gz") for p in folder.iterdir()] == [True]
 
 

@@ -103,6 +103,19 @@ def _find_runner() -> Any:
                        "(speculative_config method 'custom_class')")
 
 
+def _fingerprint(model_config: Any) -> str | None:
+    """The served tokenizer's fingerprint, which every shared segment carries and is read by
+    (None where it cannot be loaded: then the vocabulary size alone guards the folder)."""
+    from rhymerl.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    try:
+        return tokenizer_fingerprint(load_tokenizer(model_config.tokenizer))
+    except Exception as e:  # noqa: BLE001 - sharing history must never stop the engine
+        log.warning("rhymerl history_dir: cannot load the tokenizer %s (%s); segments are checked by "
+                    "vocabulary size only", getattr(model_config, "tokenizer", None), e)
+        return None
+
+
 class HistoSpecProposer:
     """vLLM ``custom_class`` proposer over rhymerl's draft sources (see the module docstring)."""
 
@@ -126,7 +139,8 @@ class HistoSpecProposer:
         if extra.history_dir:
             try:
                 self.shared = SharedHistory(extra.history_dir, self.store, vocab_size=vocab,
-                                            interval_s=extra.history_sync_s, max_bytes=extra.history_dir_bytes)
+                                            interval_s=extra.history_sync_s, max_bytes=extra.history_dir_bytes,
+                                            tokenizer_fingerprint=_fingerprint(vllm_config.model_config))
             except OSError as e:
                 log.warning("rhymerl history_dir %s: %s; this engine drafts from its own history only",
                             extra.history_dir, e)
