@@ -72,32 +72,44 @@ class SamplingBatch:
     position: torch.Tensor  # [N] int64: index of the output token being drawn
 
 
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` over each row's temperature, in float32 (greedy rows: unscaled)."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
+    return logits / t.unsqueeze(1)
+
+
+def removed_tokens(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor | None:
+    """``[N, V]`` True where top-k or top-p removes a token of ``scaled`` (None: neither applies)."""
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1).any())
+    if not (need_k or need_p):
+        return None
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    V = scaled.shape[-1]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+        remove |= torch.arange(V, device=scaled.device).unsqueeze(0) >= k.unsqueeze(1)
+    if need_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of strictly better tokens
+        remove |= before >= top_p.to(probs.dtype).unsqueeze(1)
+    remove[:, 0] = False  # the most likely token always stays
+    return torch.empty_like(remove).scatter_(1, order, remove)
+
+
 def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                       top_k: torch.Tensor) -> torch.Tensor:
     """Log-probabilities ``[N, V]`` of the sampling distribution (-inf outside top-k/top-p).
 
     Greedy rows (temperature 0) get the model's plain log-softmax.
     """
-    if logits.dtype != torch.float32:
-        logits = logits.float()
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
-    scaled = logits / t.unsqueeze(1)
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1).any())
-    if need_k or need_p:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        V = logits.shape[-1]
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if need_k:
-            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
-            remove |= torch.arange(V, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
-        if need_p:
-            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-            before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-            remove |= before >= top_p.to(probs.dtype).unsqueeze(1)
-        remove[:, 0] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    scaled = scaled_logits(logits, temperature)
+    remove = removed_tokens(scaled, top_p, top_k)
+    if remove is not None:
+        scaled = scaled.masked_fill(remove, float("-inf"))
     return scaled.log_softmax(-1)
 
 

@@ -99,6 +99,9 @@ class Trainer(Protocol):
     def close(self) -> None: ...
 
 
+_MASK_ROWS = 256  # rows per block when finding the tokens top-p/top-k remove (memory, not results)
+
+
 def sampling_token_logp(model_out: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float = 1.0,
                         top_k: int = -1, with_entropy: bool = False):
     """Each next token's log-probability under the distribution the rollout samples from (the
@@ -107,13 +110,21 @@ def sampling_token_logp(model_out: torch.Tensor, ids: torch.Tensor, temperature:
     raw = model_out[:, :-1].float()
     logits = raw / temperature
     if top_p < 1.0 or top_k > 0:
-        from rhymerl.engine.sampler import sampling_logprobs
+        from rhymerl.engine.sampler import removed_tokens, scaled_logits
 
         B, T, V = raw.shape
         rows = B * T
-        full = sampling_logprobs(raw.reshape(rows, V), torch.full((rows,), temperature, device=raw.device),
-                                 torch.full((rows,), top_p, device=raw.device),
-                                 torch.full((rows,), top_k, device=raw.device, dtype=torch.long))
+        scaled = scaled_logits(raw.reshape(rows, V), torch.full((rows,), temperature, device=raw.device))
+        # The engine's sampling distribution (sampler.sampling_logprobs, the same bits), with the
+        # removed tokens found without autograd and in row blocks: the sort behind top-p over a
+        # real vocabulary would otherwise hold several copies of [rows, V] for the backward.
+        remove = torch.empty(rows, V, dtype=torch.bool, device=raw.device)
+        with torch.no_grad():
+            for i in range(0, rows, _MASK_ROWS):
+                j = min(rows, i + _MASK_ROWS)
+                remove[i:j] = removed_tokens(scaled[i:j], torch.full((j - i,), top_p, device=raw.device),
+                                             torch.full((j - i,), top_k, device=raw.device, dtype=torch.long))
+        full = scaled.masked_fill(remove, float("-inf")).log_softmax(-1)
         # Tokens outside top-k/top-p have log-prob -inf; only padding positions hold them
         # (the rollout never samples one), and the floor keeps 0 x -inf out of the loss.
         logp = full.reshape(B, T, V).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).clamp(min=-1e4)
