@@ -322,3 +322,31 @@ def test_inputs_outside_the_run_folder_are_pinned_by_absolute_path_and_sha256(ba
         train(resume=str(run), progress=False, accept_changed_inputs=True)
     assert "--accept-changed-inputs" in caplog.text
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
+def test_histopipes_placement_scores_come_back_with_the_checkpoint(reference, tmp_path, monkeypatch):
+    """HistoPipe's ``auto`` placement continues where it was (speed only: tokens never depend on it)."""
+    import json
+
+    from rhymerl.distribution.coordinator import RolloutCoordinator as Coordinator
+
+    saved = json.loads((reference / "checkpoints" / "step_000002" / "state.json").read_text())["placement"]
+    assert set(saved) == {"scores", "steps", "share_error_sq", "length_error_sigma"}
+    got = []
+    orig = Coordinator.load_placement_state
+
+    def load(self, state):
+        orig(self, state)
+        got.append(self.placement_state())
+
+    monkeypatch.setattr(Coordinator, "load_placement_state", load)
+    _resume_from_step_2(reference, tmp_path / "run")
+    assert got == [saved]
+
+
+def test_a_malformed_placement_state_is_a_checkpoint_error(tmp_path):
+    from rhymerl.training.checkpoint import CheckpointError
+    from rhymerl.training.run_state import read_run_state
+
+    with pytest.raises(CheckpointError, match="placement"):
+        read_run_state(tmp_path, {"step": 2, "loader": {}, "placement": {"scores": [1, 2]}}, {})

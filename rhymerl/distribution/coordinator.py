@@ -126,6 +126,22 @@ class RolloutCoordinator:
             done.result()  # an error in scoring surfaces here
         return self._placements
 
+    def placement_state(self) -> dict[str, Any]:
+        """What HistoPipe learnt of placements and of its own prediction error (a checkpoint's)."""
+        sc = self.placements
+        return {"scores": dict(sc.scores), "steps": sc.steps, "share_error_sq": sc.share_error_sq,
+                "length_error_sigma": self.length_error_sigma}
+
+    def load_placement_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`placement_state` (an empty dict: start cold, as an old checkpoint)."""
+        if not state:
+            return
+        sc = self.placements
+        sc.scores = {str(k): float(v) for k, v in state["scores"].items()}
+        sc.steps = int(state["steps"])
+        sc.share_error_sq = None if state["share_error_sq"] is None else float(state["share_error_sq"])
+        self.length_error_sigma = float(state["length_error_sigma"])
+
     @property
     def num_workers(self) -> int:
         return len(self.pool.alive())

@@ -312,6 +312,7 @@ class RLRun:
                                        tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
                                        vocab_size=self.model.config.vocab_size)
             self.history.replace_with(loaded)
+        self.rollout.load_placement_state(rs.placement)  # HistoPipe's auto continues where it was
         return rs.gate
 
     def _after_restore(self, gate: list) -> None:
@@ -372,7 +373,8 @@ class RLRun:
                          "inflight": self.versions.inflight_state(),
                          "bad_steps": self.trainer.bad_steps,
                          "carried": [g.to_dict() for g in self.carried],
-                         "gate": self.rollout.pool.gate_states()},
+                         "gate": self.rollout.pool.gate_states(),
+                         "placement": self.rollout.placement_state()},
                         self.history)
 
     def _run(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ class RunState:
     initial_accuracy: dict[str, float] | None
     initial_heldout: dict[str, list[float]]
     gate: list  # the workers' gate states
+    placement: dict[str, Any]  # HistoPipe's placement scores and length error (empty: before they were saved)
 
 
 def read_run_state(ckpt: Path, state: dict[str, Any], row_of: dict[str, PromptRow]) -> RunState:
@@ -50,11 +51,15 @@ def read_run_state(ckpt: Path, state: dict[str, Any], row_of: dict[str, PromptRo
         if not isinstance(heldout, dict) or not all(isinstance(v, list) for v in heldout.values()):
             raise ValueError(f"initial_heldout {heldout!r} is not a mapping of lists")
         gate = state.get("gate")
+        placement = state.get("placement") or {}
+        if placement and not (isinstance(placement.get("scores"), dict) and isinstance(placement.get("steps"), int)
+                              and isinstance(placement.get("length_error_sigma"), (int, float))):
+            raise ValueError(f"placement {placement!r} is not HistoPipe's placement state")
         return RunState(step=state["step"], loader=state["loader"],
                         carried=[CarriedGroup.from_dict(d) for d in state.get("carried", [])],
                         bad_steps=int(state.get("bad_steps", 0)), inflight=inflight, snapshots=snapshots,
                         initial_accuracy=initial,
                         initial_heldout={str(k): [float(x) for x in v] for k, v in heldout.items()},
-                        gate=gate if isinstance(gate, list) else [])
+                        gate=gate if isinstance(gate, list) else [], placement=placement)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt / 'state.json'}: malformed ({type(e).__name__}: {e})") from e
