@@ -47,10 +47,9 @@ def test_covered_tokens_counts_k_grams_that_earlier_responses_hold():
     assert covered_share([[1, 2, 3, 4, 5, 6]], earlier) == 1.0 and covered_share([[7, 7, 7, 7]], earlier) == 0.0
 
 
-@pytest.mark.slow
-def test_the_smollm2_example_runs_on_a_tiny_chat_model_and_measures_the_rhyme(tmp_path):
-    """The real-model example as it stands, on a random tiny Qwen2 with a chat template: prompts go
-    through the template, and from the second epoch on each step says how much history covers."""
+@pytest.fixture
+def chat_model(tmp_path) -> Path:
+    """A random tiny Qwen2 whose tokenizer has a chat template."""
     tok = build_char_tokenizer(string.ascii_letters + string.digits + " ?.+<>|\n")
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -60,8 +59,27 @@ def test_the_smollm2_example_runs_on_a_tiny_chat_model_and_measures_the_rhyme(tm
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "chat")
     tok.save_pretrained(str(tmp_path / "chat"))
+    return tmp_path / "chat"
+
+
+def test_bench_spec_runs_a_chat_models_task_with_top_p(chat_model):
+    """`rhymerl bench spec --model M --task chat_sums --top-p 0.9`: the same tokens with HistoSpec."""
+    from rhymerl.bench.spec import run
+
+    rep = run(None, model=str(chat_model), task="chat_sums", prompts=2, n=2, max_tokens=8, epochs=(1, 2),
+              temperatures=(0.7,), top_p=0.9, gates=(True,), methods=("none", "histospec_path"), reps=1,
+              max_num_seqs=4)
+    rows = rep["rows"]
+    assert {(r["epoch"], r["method"]) for r in rows} == {(e, m) for e in (1, 2) for m in ("none", "histospec_path")}
+    assert all(r["identical_tokens"] for r in rows) and rep["task"] == "chat_sums" and rep["top_p"] == 0.9
+
+
+@pytest.mark.slow
+def test_the_smollm2_example_runs_on_a_tiny_chat_model_and_measures_the_rhyme(chat_model, tmp_path):
+    """The real-model example as it stands, on a random tiny Qwen2 with a chat template: prompts go
+    through the template, and from the second epoch on each step says how much history covers."""
     example = yaml.safe_load(Path("examples/smollm2-chat-sums.yaml").read_text())
-    example["model"]["path"] = str(tmp_path / "chat")
+    example["model"]["path"] = str(chat_model)
     example["data"].update(num_train=4, num_val=8)
     example["rollout"].update(n=4, max_tokens=12, max_num_seqs=16)
     example["trainer"].update(steps=3, batch_prompts=4, save_every=0, eval_every=0, output_dir=str(tmp_path / "run"))

@@ -107,7 +107,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
         draft_head: str | None = None, prompts: int = 32, n: int = 8, epochs=(1, 3), max_num_seqs: int = 64,
         max_tokens: int = 160, temperatures=(1.0, 0.6), gates=(False, True), methods=METHODS,
         index_draft_tokens: int = 16, reps: int = 5, quick: bool = False, dtype: str = "float32",
-        task_cfg=None, task: str | None = None) -> dict[str, Any]:
+        task_cfg=None, task: str | None = None, top_p: float = 1.0) -> dict[str, Any]:
     """Rows per temperature, measured epoch, gate (off: every drafter drafts all it finds, so
     tokens per forward measure the sources alone; on: the batch gate decides from this
     machine's measured costs) and method."""
@@ -140,8 +140,8 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
           f"max_num_seqs={max_num_seqs}; draft model {draft_model}; draft head {draft_head}")
     for temp in temperatures:
         def params(ep: int) -> list[SamplingParams]:
-            return [SamplingParams(n=n, temperature=temp, max_tokens=max_tokens, seed=hash((int(k), ep)) % (1 << 31))
-                    for k in keys]
+            return [SamplingParams(n=n, temperature=temp, top_p=top_p, max_tokens=max_tokens,
+                                   seed=hash((int(k), ep)) % (1 << 31)) for k in keys]
 
         base = LLM(model, max_num_seqs=max_num_seqs, max_model_len=256, dtype=dtype)
         stores: dict[int, HistoryStore] = {1: HistoryStore(max_rollouts=1)}
@@ -172,7 +172,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
                                                          [float(np.mean([len(x) for x in c])) for c in cur]),
             })
     cols = ["temperature", "epoch", "gated", "method", "impl", "accepted_per_forward", "forwards_per_token",
-            "tok_s", "speedup", "speedup_min", "speedup_ci95", "aa_noise", "acceptance_rate", "draft_share",
+            "tok_s", "speedup", "speedup_min", "speedup_max", "speedup_ci95", "aa_noise", "acceptance_rate", "draft_share",
             "identical_tokens", "by_source"]
     print()
     print_table(out_rows, cols)
@@ -180,7 +180,8 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
         print("\nsimilarity between consecutive epochs (same prompts):")
         print_table(sim_rows, ["temperature", "reusable_token_share", "rank_moves_across_quartile"])
     return write_report(out_rows, json_path, {"similarity": sim_rows, "model": model, "draft_model": draft_model,
-                                              "draft_head": draft_head})
+                                              "draft_head": draft_head, "task": cfg.data.task, "top_p": top_p,
+                                              "prompts": prompts, "n": n, "max_tokens": max_tokens})
 
 
 def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParams], epoch: int,
@@ -263,7 +264,7 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
         if "none" in results:
             ratios = np.array([n / w for n, w in zip(walls["none"], walls[method])])
             res["speedup"] = float(np.median(ratios))
-            res["speedup_min"] = float(ratios.min())
+            res["speedup_min"], res["speedup_max"] = float(ratios.min()), float(ratios.max())
             # How well the rounds pin the median down: a 95 % bootstrap interval (with many
             # rounds it is narrower than any one round's noise; with a handful it means nothing,
             # and is left out rather than printed as a point).
