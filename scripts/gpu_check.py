@@ -86,6 +86,7 @@ def task_config(s: Sizes, out: Path):
     over = [f"model.{k}={v}" for k, v in s.model.items()] + [
         f"model.device={s.device}", f"sft.steps={s.sft_steps}", f"sft.batch_size={s.sft_batch}",
         f"sft.lr={s.sft_lr}", f"sft.max_minutes={s.sft_minutes}", "sft.eval_prompts=32",
+        "sft.unanswered_share=0",  # a base that answers: this checks the engine, not what RL teaches
         f"sft.output_dir={out / 'base'}"]
     return load_config(None, over)
 
