@@ -107,6 +107,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             kw["epochs"] = tuple(int(e) for e in ns.epochs.split(","))
         if ns.task:
             kw["task"] = ns.task
+        if ns.top_p:
+            kw["top_p"] = ns.top_p
         run(ns.json, quick=ns.quick, **kw)
     elif ns.which == "e2e":
         from rhymerl.bench.e2e import run
@@ -225,7 +227,7 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--temperatures", help="spec: comma-separated (default 1.0,0.6)")
     b.add_argument("--model-width", help="spec --engine vllm: the policy zero-padded to a larger model's size "
                                           "(same logits, that model's forward; rhymerl.model.widen: 22m)")
-    b.add_argument("--top-p", type=float, help="spec --engine vllm: nucleus sampling's top-p (default 1.0)")
+    b.add_argument("--top-p", type=float, help="spec: nucleus sampling's top-p (default 1.0)")
     b.add_argument("--epochs", help="spec: the measured epochs, comma-separated (default 1,3)")
     b.add_argument("--reps", type=int, help="spec: timed rounds (native: of the gated rows; vllm: of every row), methods in turn (default 5); "
                         "pipe: measured rounds, policies in turn (default 5)")
