@@ -90,3 +90,24 @@ def kill_and_resume(run_dir: Path, overrides: list[str], *, after_step: int = 2,
 def tokens_of(outs) -> list[list[list[int]]]:
     """Each request's samples' tokens (``LLM.generate``'s outputs)."""
     return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_chat_model(folder: Path, alphabet: str) -> Path:
+    """A random tiny Qwen2 (tied embeddings, biases) whose character tokenizer has a chat template."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rhymerl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(alphabet)
+    tok.chat_template = CHAT_TEMPLATE
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tok.save_pretrained(str(folder))
+    return folder

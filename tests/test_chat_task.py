@@ -6,17 +6,15 @@ import string
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rhymerl.config import ConfigError, load_config
 from rhymerl.data.splits import task_splits
 from rhymerl.drafting.rhyme import covered_share, covered_tokens
 from rhymerl.tasks import ChatSumsTask
 from rhymerl.tasks.chat_sums import last_number
-from rhymerl.tokenizer import build_char_tokenizer
 from rhymerl.training.metrics import read_metrics
+from tests.helpers import tiny_chat_model
 
 
 def test_chat_sums_asks_in_chat_messages_and_reads_the_last_number():
@@ -50,16 +48,7 @@ def test_covered_tokens_counts_k_grams_that_earlier_responses_hold():
 @pytest.fixture
 def chat_model(tmp_path) -> Path:
     """A random tiny Qwen2 whose tokenizer has a chat template."""
-    tok = build_char_tokenizer(string.ascii_letters + string.digits + " ?.+<>|\n")
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "chat")
-    tok.save_pretrained(str(tmp_path / "chat"))
-    return tmp_path / "chat"
+    return tiny_chat_model(tmp_path / "chat", string.ascii_letters + string.digits + " ?.+<>|\n")
 
 
 def test_bench_spec_runs_a_chat_models_task_with_top_p(chat_model):

@@ -6,17 +6,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 import yaml
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rhymerl.config import load_config
-from rhymerl.tokenizer import build_char_tokenizer
 from rhymerl.training.metrics import read_metrics
-
-CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
+from tests.helpers import tiny_chat_model
 
 def _gsm8k_rows(n: int, offset: int) -> list[dict]:
     rows = []
@@ -31,14 +25,7 @@ def _gsm8k_rows(n: int, offset: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_example_config_path_on_tiny_qwen2(tmp_path, world_size):
     """The example runs as it is, on one process or on 2 trainer ranks (FSDP; tied embeddings, biases)."""
-    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789+?#<>|: \n")
-    tok.chat_template = CHAT
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "qwen")
-    tok.save_pretrained(str(tmp_path / "qwen"))
+    tiny_chat_model(tmp_path / "qwen", "abcdefghijklmnopqrstuvwxyz0123456789+?#<>|: \n")
     (tmp_path / "data").mkdir()
     pq.write_table(pa.Table.from_pylist(_gsm8k_rows(8, 0)), tmp_path / "data" / "train.parquet")
     pq.write_table(pa.Table.from_pylist(_gsm8k_rows(4, 100)), tmp_path / "data" / "test.parquet")
