@@ -307,6 +307,32 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     assert holds == [2, 4, 8, 16, 16]
 
 
+def test_an_index_gate_that_never_skips_at_a_full_batch_measures_plain_decoding_there():
+    """At a full batch the check before drafting may say yes on every step, so no plain step
+    is ever measured there; the gate takes one, and then leaves off a verify that measured
+    dearer per token (on SmolLM2 at 64 in flight it had drafted on, 0.93x of plain decoding)."""
+    from rhymerl.drafting.gate import Gate
+
+    cost = CostModel({(b, t): 0.001 * b for b in (1, 64, 128) for t in (1, 2, 3, 5)})  # verifying looks free
+    gate = Gate(enabled=True, cap=4, max_nodes=5, set_names=[{"index"}], runs_model=[False], reads_history=[True])
+    gate.cost_model = cost
+    gate.begin(history_changed=False)
+    gate.admit(("history",), ("history",))
+
+    def drafting_step() -> None:
+        assert gate.judge([4] * 64, 256, 1e-4, found=True) > 1
+        gate.observe_drafts(64, succ=32, fail=64, emitted=96)  # 1.5 tokens a row...
+        gate.observe_time(64, 5, 0.064 * 3.0, 0.0)  # ...for 3x a plain step's time
+
+    assert gate.choose(64) is not None
+    drafting_step()
+    assert gate.choose(64) is None  # one plain step, to measure what drafting is compared with
+    gate.observe_plain(64)
+    gate.observe_time(64, 1, 0.064, 0.0)
+    # measured against it, a verify at 3x the time for 1.5 tokens a row is not drafted again
+    assert all(gate.choose(64) is None for _ in range(8))
+
+
 def test_history_store_caps_and_persistence(tmp_path, caplog):
     st = HistoryStore(max_rollouts=2, max_total_tokens=40, tokenizer_fingerprint="abc")
     st.add("p1", [9, 9, 9, 9, 9, 9, 1], [[1, 2, 3], [1, 2]], step=0, rewards=[1.0, 0.0])

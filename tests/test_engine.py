@@ -31,6 +31,42 @@ def test_sampled_output_independent_of_batch(model):
     assert alone == in_batch == reordered == small
 
 
+def _removed_by_value(scaled: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """top-k then top-p of one row by value, the slow way: a full sort in float64."""
+    x = scaled.double()
+    V = x.numel()
+    kept = x >= (x.sort(descending=True).values[top_k - 1] if 0 < top_k < V else -float("inf"))
+    probs = x.masked_fill(~kept, -float("inf")).softmax(-1)
+    if top_p < 1:
+        better = torch.stack([probs[x > v].sum() for v in x])  # mass strictly more likely
+        kept &= better < top_p
+    kept[x.argmax()] = True
+    return ~kept
+
+
+def test_top_p_and_top_k_remove_by_value_ties_alike_and_rows_independent_of_their_batch():
+    from rhymerl.engine.sampler import CANDIDATES, removed_tokens
+
+    g = torch.Generator().manual_seed(0)
+    V = 4 * CANDIDATES
+    peaked = torch.randn(3, V, generator=g)
+    peaked[:, :4] += 9  # the cut among the first candidates
+    flat = torch.randn(3, V, generator=g) * 0.3  # the cut far beyond them: sorted in full
+    tied = torch.randn(3, V, generator=g).mul(2).round()  # ties
+    tied[1] = -20.0
+    tied[1, :5] = torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0])  # a tie straddling p = 0.5: kept whole
+    rows = torch.cat([peaked, flat, tied])
+    top_p = torch.tensor([0.9, 0.5, 1.0] * 3)
+    top_k = torch.tensor([-1, -1, 5, -1, 40, -1, 3, -1, 7])
+    got = removed_tokens(rows, top_p, top_k)
+    for i in range(len(rows)):
+        want = _removed_by_value(rows[i], float(top_p[i]), int(top_k[i]))
+        assert torch.equal(got[i], want), i
+        alone = removed_tokens(rows[i:i + 1], top_p[i:i + 1], top_k[i:i + 1])
+        assert torch.equal(torch.zeros(V, dtype=torch.bool) if alone is None else alone[0], got[i]), i
+    assert removed_tokens(rows, torch.ones(9), torch.full((9,), -1)) is None
+
+
 def test_seeds_and_samples_differ(model):
     llm = LLM(model, max_num_seqs=16, max_model_len=64)
     a = llm.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=20, seed=1, ignore_eos=True), use_tqdm=False)[0]

@@ -80,24 +80,51 @@ def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
     return logits / t.unsqueeze(1)
 
 
+CANDIDATES = 64  # top values per row first searched for the cut; rows whose cut lies beyond get a full sort
+
+
 def removed_tokens(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor | None:
-    """``[N, V]`` True where top-k or top-p removes a token of ``scaled`` (None: neither applies)."""
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1).any())
-    if not (need_k or need_p):
+    """``[N, V]`` True where top-k or top-p removes a token of ``scaled`` (None: neither applies).
+
+    Rules by value, so tied tokens share a fate and no sort order matters: top-k keeps tokens
+    at least the k-th largest value; top-p then keeps a token while the probability mass (over
+    what top-k kept) of tokens strictly more likely is below p. The most likely token always
+    stays. The cut is searched among each row's top values first and only the rows whose cut
+    lies beyond are sorted in full (a sort of [rows, 49k] was a quarter of a decode step at
+    top-p 0.9). A row's result is the same bits either way (prefix sums are sequential).
+    """
+    k_on, p_on = top_k > 0, top_p < 1
+    if not bool(k_on.any() or p_on.any()):
         return None
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
     V = scaled.shape[-1]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if need_k:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
-        remove |= torch.arange(V, device=scaled.device).unsqueeze(0) >= k.unsqueeze(1)
-    if need_p:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-        remove |= before >= top_p.to(probs.dtype).unsqueeze(1)
-    remove[:, 0] = False  # the most likely token always stays
-    return torch.empty_like(remove).scatter_(1, order, remove)
+    k = torch.where(k_on, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    width = min(V, max(CANDIDATES, int(k.max()) if bool(k_on.any()) else 0))
+    floor, resolved = _keep_floor(scaled, top_p, p_on, k, width)
+    if width < V and not bool(resolved.all()):
+        rows = (~resolved).nonzero().squeeze(1)
+        floor[rows] = _keep_floor(scaled[rows], top_p[rows], p_on[rows], k[rows], V)[0]
+    return scaled < floor.unsqueeze(1)
+
+
+def _keep_floor(scaled: torch.Tensor, top_p: torch.Tensor, p_on: torch.Tensor, k: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the least value kept (tokens below it are removed), from the row's top
+    ``width`` values, and whether the cut lies among them (else the row needs a wider search)."""
+    V = scaled.shape[-1]
+    vals = scaled.topk(width, dim=-1).values if width < V else scaled.sort(dim=-1, descending=True).values
+    kth = vals.gather(1, (k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1)
+    k_floor = torch.where(k < V, kth, torch.full_like(kth, float("-inf"))).unsqueeze(1)
+    kept_by_k = vals >= k_floor
+    # Mass over what top-k kept: normalised over the whole row, ties beyond the top values included.
+    lse = torch.where(scaled >= k_floor, scaled, float("-inf")).logsumexp(-1, keepdim=True)
+    probs = (vals - lse).exp().masked_fill(~kept_by_k, 0.0)
+    before = probs.cumsum(-1) - probs  # mass of the tokens before each; the floor keeps ties whole
+    kept = kept_by_k & ~(p_on.unsqueeze(1) & (before >= top_p.to(before.dtype).unsqueeze(1)))
+    kept[:, 0] = True
+    floor = torch.where(kept, vals, torch.full_like(vals, float("inf"))).amin(-1)
+    # Resolved: the last candidate is removed, or no top-p and top-k's cut lies within.
+    resolved = ~kept[:, -1] | ((k <= width) & ~p_on)
+    return torch.where(p_on | (k < V), floor, torch.full_like(floor, float("-inf"))), resolved
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
