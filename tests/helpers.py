@@ -46,6 +46,9 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_attenti
         # The tiny base rarely earns a reward, so every group's advantage is 0: an entropy term
         # makes every step move the weights, or a resume that restored nothing would still pass.
         "algorithm.entropy_coef=0.01"]
+# The tiny model with a head size vLLM's CPU attention runs (32; TINY's is 16).
+VLLM_TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=2",
+             "model.num_key_value_heads=1"]
 SPEED_KEYS = ("timing_s/", "perf/", "spec/", "pipe/", "draft/accept_rate")  # how fast, not what is learnt
 
 

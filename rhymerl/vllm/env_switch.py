@@ -6,7 +6,13 @@ process that builds engine arguments. :func:`register` is one: with ``RHYMERL_HI
 environment, an engine built without a ``speculative_config`` of its own drafts with
 :class:`rhymerl.vllm.HistoSpecProposer`, ``K`` tokens (vLLM's ``num_speculative_tokens``);
 ``RHYMERL_HISTOSPEC_CONFIG`` (a JSON object) becomes its ``additional_config["rhymerl"]`` under
-whatever the program set there. An engine that has a ``speculative_config`` keeps it.
+whatever the program set there. An engine that has a ``speculative_config`` keeps it. The switch
+also turns vLLM's statistics on (``LLM`` turns them off by default), since without them the
+speculative counters that show what HistoSpec accepted read nothing.
+
+``RHYMERL_VLLM_DTYPE`` (``float32``, ``bfloat16``, ``float16``) sets the dtype of an engine whose
+program left it ``auto``: vLLM runs a float32 checkpoint in bfloat16 unless told otherwise, and a
+trainer in float32 then sees log-prob gaps near 0.1 that are rounding, not a bug.
 """
 from __future__ import annotations
 
@@ -20,6 +26,18 @@ log = logging.getLogger(__name__)
 
 SWITCH = "RHYMERL_HISTOSPEC"
 CONFIG = "RHYMERL_HISTOSPEC_CONFIG"
+DTYPE = "RHYMERL_VLLM_DTYPE"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_from_environment(env: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """The dtype ``RHYMERL_VLLM_DTYPE`` asks for, or None; any other value is refused by name."""
+    raw = env.get(DTYPE, "").strip()
+    if not raw:
+        return None
+    if raw not in DTYPES:
+        raise ValueError(f"{DTYPE}={raw!r}: expected one of {', '.join(DTYPES)}")
+    return raw
 
 
 def from_environment(env: dict[str, str] | os._Environ = os.environ) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -50,6 +68,9 @@ def from_environment(env: dict[str, str] | os._Environ = os.environ) -> tuple[di
 
 def apply(args: Any, env: dict[str, str] | os._Environ = os.environ) -> None:
     """Give vLLM engine arguments ``args`` what the environment asks for (see the module docstring)."""
+    dtype = dtype_from_environment(env)
+    if dtype is not None and args.dtype == "auto":
+        args.dtype = dtype
     asked = from_environment(env)
     if asked is None:
         return
@@ -58,6 +79,7 @@ def apply(args: Any, env: dict[str, str] | os._Environ = os.environ) -> None:
         log.info("%s is set, but this engine has a speculative_config of its own: kept", SWITCH)
         return
     args.speculative_config = spec
+    args.disable_log_stats = False  # the acceptance counters live in the statistics
     current = dict(args.additional_config or {})
     current["rhymerl"] = {**extra, **dict(current.get("rhymerl") or {})}
     args.additional_config = current
@@ -65,7 +87,7 @@ def apply(args: Any, env: dict[str, str] | os._Environ = os.environ) -> None:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: wraps ``EngineArgs.create_engine_config`` once."""
-    if not os.environ.get(SWITCH):
+    if not (os.environ.get(SWITCH) or os.environ.get(DTYPE)):
         return
     from vllm.engine.arg_utils import EngineArgs
 
