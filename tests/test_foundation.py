@@ -1,6 +1,8 @@
 """Config, data, rewards, tasks, tokenizer, SFT: the ground the RL system stands on."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 import sys
@@ -291,7 +293,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # The floors (docs/design.md): a module imports only from its own floor or the ones below.
 FLOORS = [
-    {"atomic_io", "device", "tokenizer", "progress", "rollout_engines", "sample_stats"},
+    {"atomic_io", "device", "tokenizer", "progress", "rollout_engines", "sample_stats", "field_rules"},
     {"model", "tasks", "algos"},
     {"engine", "rewards"},
     {"drafting", "scheduling", "vllm"},
@@ -472,13 +474,12 @@ def test_each_engine_is_described_once_and_every_entry_point_asks_its_descriptio
     the same check refusing the same request in the run config, the vLLM method mapping and a
     plain vLLM program's proposer."""
     from rhymerl.config import _speculative_methods
-    from rhymerl.distribution.workers import WORKERS
     from rhymerl.drafting import SpecConfig
-    from rhymerl.rollout_engines import ENGINES, EngineSpec, get_engine, unsupported
+    from rhymerl.rollout_engines import ENGINES, get_engine, unsupported
     from rhymerl.vllm.methods import vllm_speculative
     from rhymerl.vllm.proposer import proposer_config
 
-    assert set(WORKERS) == set(ENGINES) and all(_speculative_methods(e) for e in ENGINES)
+    assert all(isinstance(e.worker_class(), type) and _speculative_methods(e.name) for e in ENGINES.values())
     assert unsupported(get_engine("native"), tree_budget=8, invariant=True, online_head=True) == []
     said = unsupported(get_engine("vllm"), tree_budget=8, invariant=True, online_head=True)
     assert [s.split(":")[0] for s in said] == ["rollout.speculative.tree_budget=8", "rollout.invariant=true",
@@ -490,7 +491,34 @@ def test_each_engine_is_described_once_and_every_entry_point_asks_its_descriptio
             entry()
     # A capability changed in the one place changes what every entry point allows.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(ENGINES, "vllm", EngineSpec("vllm", trees=True, invariant_numerics=False, exact_logprobs=False,
-                                               online_draft_head=False, own_processes=True))
+        mp.setitem(ENGINES, "vllm", dataclasses.replace(ENGINES["vllm"], trees=True))
         cfg = load_config(None, ["rollout.engine=vllm", "rollout.speculative.tree_budget=8"])
         assert cfg.rollout.speculative.tree_budget == 8 and vllm_speculative(SpecConfig(tree_budget=8))[0] is not None
+
+
+FAKE_METHODS = ("history",)  # a test engine's method registry
+
+
+def test_an_engine_added_to_the_table_is_selectable_everywhere_with_no_other_edit():
+    """One EngineSpec entry is the whole engine: the run config accepts it and checks methods
+    against its registry, `auto` resolves to its length policy, the worker backends find its
+    worker class, and the command line offers it."""
+    from rhymerl.cli import _parser
+    from rhymerl.distribution.worker import RolloutWorker
+    from rhymerl.drafting.length_policy import resolve
+    from rhymerl.rollout_engines import ENGINES, EngineSpec, get_engine
+
+    fake = EngineSpec("fake", trees=False, invariant_numerics=True, exact_logprobs=True, online_draft_head=False,
+                      own_processes=False, worker="rhymerl.distribution.worker:RolloutWorker",
+                      methods="tests.test_foundation:FAKE_METHODS", length_policy="multiplicative")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ENGINES, "fake", fake)
+        cfg = load_config(None, ["rollout.engine=fake", "rollout.speculative.method=history"])
+        assert cfg.rollout.engine == "fake"
+        with pytest.raises(ConfigError, match=r"'draft_model' does not run on rollout.engine=fake.*'none', 'history'"):
+            load_config(None, ["rollout.engine=fake", "rollout.speculative.method=draft_model"])
+        assert resolve("auto", "fake") == "multiplicative" and resolve("longest", "fake") == "longest"
+        assert get_engine("fake").worker_class() is RolloutWorker
+        assert _parser().parse_args(["bench", "spec", "--engine", "fake"]).engine == "fake"
+    with pytest.raises(ConfigError, match="fake"):
+        load_config(None, ["rollout.engine=fake"])

@@ -19,7 +19,6 @@ import torch
 from rhymerl.device import torch_threads
 from rhymerl.distribution.work import WorkerLost, WorkerSpec
 from rhymerl.distribution.worker import RolloutWorker
-from rhymerl.distribution.workers import get_worker_class
 from rhymerl.rollout_engines import BACKENDS, get_engine
 
 log = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ class InprocHandle(WorkerHandle):
         # The worker's thread count applies while it runs, the caller's (training) otherwise.
         self.threads = spec.threads
         with torch_threads(self.threads):
-            cls = get_worker_class(spec.engine)
+            cls = get_engine(spec.engine).worker_class()
             self.index, self.worker = index, cls(WorkerSpec(**{**vars(spec), "threads": 0}))
         self._result: Any = None
         self._error: BaseException | None = None
@@ -440,7 +439,7 @@ class RayPool(WorkerPool):
         self.timeout_s = timeout_s
         init_ray(address, num_cpus=num_cpus or max(len(specs), os.cpu_count() or 1), threads=specs[0].threads,
                  allow_insecure=allow_insecure)
-        actor_cls = ray.remote(num_cpus=1)(get_worker_class(specs[0].engine))
+        actor_cls = ray.remote(num_cpus=1)(get_engine(specs[0].engine).worker_class())
         self.handles = [RayHandle(i, actor_cls.remote(spec)) for i, spec in enumerate(specs)]
         ping_actors(self.handles, timeout_s, "rollout worker")
 

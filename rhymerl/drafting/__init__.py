@@ -34,8 +34,8 @@ def source_names(cfg: SpecConfig) -> tuple[str, ...]:
 
 
 def uses_history(cfg: SpecConfig) -> bool:
-    """Whether a config's sources read the history store."""
-    return any(n in ("prompt_history", "global_history") for n in source_names(cfg))
+    """Whether a config's sources read the history store (each source class says)."""
+    return any(get_source(n).reads_history for n in source_names(cfg))
 
 
 def trains_draft_head(cfg: SpecConfig) -> bool:

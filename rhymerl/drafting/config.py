@@ -8,6 +8,8 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping
 
+from rhymerl.field_rules import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, ZERO_IS_OFF, setting
+
 
 def checked_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``values`` as keyword arguments of the dataclass ``cls``: an unknown key, or a value not
@@ -52,24 +54,30 @@ class SpecConfig:
     (:data:`rhymerl.drafting.controller.METHODS`); ``sources`` overrides that set."""
 
     method: str = "history"  # none | history | ngram | draft_model | draft_head | hybrid; vLLM only: suffix | eagle3
-    sources: list[str] | None = None  # None: the method's own (registry names of rhymerl.drafting.SOURCES)
-    index_draft_tokens: int = 16  # most tokens an index source (history, siblings, ngram) drafts per row
-    tree_budget: int = 0  # >0: tree drafts with up to this many nodes
-    length_policy: str = "auto"  # auto (per engine) | additive (paper) | multiplicative (release) | longest
-    min_prob: float = 0.1
-    pattern_max: int = 7
-    pattern_min: int = 3
-    history_epochs: int = 1
-    reward_weight: float = 0.0  # >0: branches of higher-reward responses weigh more
-    gate: bool = True  # draft only what pays on this engine (native: the gate; vLLM: each row's draft cut off)
-    prompt_lookup_min: int = 3  # the ngram source's n-gram sizes
-    prompt_lookup_max: int = 7
+    # None: the method's own (registry names of rhymerl.drafting.SOURCES)
+    sources: list[str] | None = setting(None, proposer=True)
+    # most tokens an index source (history, siblings, ngram) drafts per row
+    index_draft_tokens: int = setting(16, range=POSITIVE)
+    tree_budget: int = setting(0, range=ZERO_IS_OFF)  # >0: tree drafts with up to this many nodes
+    # auto (per engine) | additive (paper) | multiplicative (release) | longest
+    length_policy: str = setting("auto", proposer=True)
+    min_prob: float = setting(0.1, range=FRACTION, proposer=True)
+    pattern_max: int = setting(7, range=POSITIVE, proposer=True)
+    pattern_min: int = setting(3, range=AT_LEAST_ONE, proposer=True)
+    history_epochs: int = setting(1, range=POSITIVE, proposer=True)
+    # >0: branches of higher-reward responses weigh more
+    reward_weight: float = setting(0.0, range=NON_NEGATIVE, proposer=True)
+    # draft only what pays on this engine (native: the gate; vLLM: each row's draft cut off)
+    gate: bool = setting(True, proposer=True)
+    prompt_lookup_min: int = setting(3, range=POSITIVE, proposer=True)  # the ngram source's n-gram sizes
+    prompt_lookup_max: int = setting(7, range=POSITIVE, proposer=True)
     # Model sources. draft_model: an HF folder (Llama/Qwen2/Qwen3) sharing the target's tokenizer (eagle3: an Eagle3 head's; unset: one trained online).
     draft_model: str | None = None
-    model_draft_tokens: int = 4  # tokens a model source drafts per row (one draft forward each)
+    # tokens a model source drafts per row (one draft forward each)
+    model_draft_tokens: int = setting(4, range=POSITIVE)
     coupled: bool = True  # draft with the target's own per-position uniforms (False: greedy drafts)
     draft_head: str | None = None  # a saved draft head (a folder from rhymerl.drafting.draft_head)
-    draft_head_lr: float = 1e-3  # online training of the draft head (or Eagle3 head) during RL
+    draft_head_lr: float = setting(1e-3, range=POSITIVE)  # online training of the draft head (or Eagle3 head) during RL
 
     # Old names still read from config files and dicts (one warning each); removed in a later release.
     RENAMED: ClassVar[dict[str, str]] = {"max_draft": "index_draft_tokens", "draft_max": "model_draft_tokens"}

@@ -20,6 +20,8 @@ class PromptHistorySource(IndexSource):
     tokens so that a response's first tokens can be drafted too. One index per prompt,
     rebuilt when the prompt's history changes."""
 
+    reads_history = True
+
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
         self.store = ctx.store
@@ -88,6 +90,7 @@ class GlobalHistorySource(IndexSource):
 
     fallback = True
     merge_ties = False
+    reads_history = True
 
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)

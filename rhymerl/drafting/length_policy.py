@@ -26,12 +26,9 @@ def longest(current: int, drafted: int, accepted: int, *, cap: int = 32) -> int:
 
 POLICIES = {"additive": (additive, 32), "multiplicative": (multiplicative, 16), "longest": (longest, 32)}
 
-# "auto": each engine's own default. The native engine gates drafting on its measured cost and
-# ramps lengths up as drafts are accepted; vLLM verifies whatever it is given, and a ramp that
-# restarts at 2 after each rejection leaves most of a short response drafted short there.
-AUTO = {"native": "additive", "vllm": "longest"}
-
-
 def resolve(name: str, engine: str = "native") -> str:
-    """The policy ``name`` means on ``engine`` (``auto``: the engine's default)."""
-    return AUTO[engine] if name == "auto" else name
+    """The policy ``name`` means on ``engine`` (``auto``: the engine's own default, from its
+    :class:`rhymerl.rollout_engines.EngineSpec`)."""
+    from rhymerl.rollout_engines import get_engine
+
+    return get_engine(engine).length_policy if name == "auto" else name

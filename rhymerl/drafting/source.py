@@ -57,6 +57,7 @@ class DraftSource:
     fallback = False  # asked only for rows whose best match so far is shorter than pattern_max
     wants_hidden = False  # needs the target's last hidden state per sequence (Sequence.hidden)
     runs_a_model = False  # drafting costs forwards of a model (the gate may leave it out alone)
+    reads_history = False  # drafts from the history store (a run records one for it; vLLM's proposer too)
     merge_ties = False  # an equally long match of two merging sources pools their occurrences
     max_nodes = 0  # the most draft nodes one of its trees may have (0: bounded by the caps it is given)
     store: Any = None  # the history store it drafts from (None: none); new history may change whether it pays

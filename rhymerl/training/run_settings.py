@@ -19,12 +19,11 @@ import dataclasses
 from pathlib import Path
 
 from rhymerl.config import ConfigError, RunConfig, flatten, load_config, save_config
+from rhymerl.field_rules import marked
 
-# Where a run executes, not what it learns: these may change when a run continues (for
-# example on another number of trainer ranks: the sharded checkpoint is resharded).
-PLACEMENT_KEYS = ("trainer.world_size", "trainer.strategy", "trainer.collective_timeout_s",
-                  "trainer.rank_timeout_s", "trainer.rollout_wait_s", "rollout.workers", "rollout.backend",
-                  "rollout.worker_timeout_s", "rollout.max_logp_gap", "reward.workers", "cluster.address", "model.device")
+# Where a run executes, not what it learns (fields marked placement): these may change when a
+# run continues (for example on another number of trainer ranks: the sharded checkpoint is resharded).
+PLACEMENT_KEYS = tuple(marked(RunConfig, "placement"))
 EXTENSIBLE = "trainer.steps"
 
 

@@ -155,6 +155,18 @@ def _batch(batch: list[tuple[list[int], int]], bs: int, pad_id: int,
     return ids.to(device), tgt.to(device)
 
 
+def _sft_step(model: CausalLM, opt: torch.optim.Optimizer, ids: torch.Tensor, tgt: torch.Tensor, lr: float) -> float:
+    """One next-token step on a batch (targets -100 where the loss does not count); its loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss = F.cross_entropy(model(ids).flatten(0, 1).float(), tgt.flatten(), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool = True,
             clock: Callable[[], float] = time.monotonic) -> dict:
     """Train the base model and write it to ``out_dir``; returns the card. ``clock`` is read only
@@ -188,15 +200,9 @@ def run_sft(cfg: RunConfig, out_dir: str | Path | None = None, *, progress: bool
         if not order:
             order = _length_bucketed_batches(examples, bs, rng)
         ids, tgt = _batch([examples[i] for i in order.pop()], bs, tok.pad_token_id, device)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, cfg.sft.warmup_steps, cfg.sft.lr)
-        loss = F.cross_entropy(model(ids).flatten(0, 1).float(), tgt.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _sft_step(model, opt, ids, tgt, lr_at(step, steps, cfg.sft.warmup_steps, cfg.sft.lr))
         done_steps = step + 1
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
         bar.set_postfix(loss=f"{loss_ema:.3f}")
     bar.close()
     train_s = clock() - t_start

@@ -7,14 +7,15 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from rhymerl.drafting.config import SpecConfig
+from rhymerl.field_rules import marked
 from rhymerl.rollout_engines import get_engine, unsupported
 
 PROPOSER = "rhymerl.vllm.HistoSpecProposer"
 
-# SpecConfig fields the HistoSpec proposer reads inside vLLM (sent in additional_config). The
-# draft length is not one: it goes out as vLLM's num_speculative_tokens, read back from there alone.
-_PROPOSER_FIELDS = ("sources", "length_policy", "min_prob", "pattern_max", "pattern_min", "gate",
-                    "history_epochs", "reward_weight", "prompt_lookup_min", "prompt_lookup_max")
+# SpecConfig fields the HistoSpec proposer reads inside vLLM (marked proposer; sent in
+# additional_config). The draft length is not one: it goes out as vLLM's num_speculative_tokens,
+# read back from there alone.
+_PROPOSER_FIELDS = tuple(marked(SpecConfig, "proposer"))
 
 
 def _history(c: SpecConfig) -> dict[str, Any]:

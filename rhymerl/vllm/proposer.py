@@ -47,7 +47,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from rhymerl.drafting import HistoryStore, SpecConfig, SpecController, source_names
+from rhymerl.drafting import HistoryStore, SpecConfig, SpecController, get_source, source_names
 from rhymerl.drafting.config import renamed_keys
 from rhymerl.drafting.length_policy import resolve
 from rhymerl.engine.sampling_params import SamplingParams
@@ -58,10 +58,6 @@ from rhymerl.vllm.settings import ProposerSettings
 from rhymerl.vllm.shared_history import SharedHistory
 
 log = logging.getLogger(__name__)
-
-# Sources that draft from token occurrences (no model of their own): what runs inside vLLM.
-INDEX_SOURCES = ("prompt_history", "global_history", "siblings", "ngram")
-
 
 def prompt_hash_key(prompt_ids) -> str:
     """The key of a request that names no ``prompt_key``: a hash of its prompt tokens."""
@@ -79,7 +75,7 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     problems = unsupported(get_engine("vllm"), tree_budget=cfg.tree_budget)
     if problems:
         raise ValueError("rhymerl.vllm.HistoSpecProposer: " + "; ".join(problems))
-    model = [n for n in source_names(cfg) if n not in INDEX_SOURCES]
+    model = [n for n in source_names(cfg) if get_source(n).runs_a_model]  # index sources only run inside vLLM
     if model:
         raise ValueError(f"rhymerl.vllm.HistoSpecProposer drafts from history and live samples; the sources "
                          f"{model} run a model: use vLLM's own draft_model / eagle3 methods for those")
