@@ -120,8 +120,8 @@ def _smollm2():
 def test_smollm2_converts_and_matches_transformers(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    f = _smollm2()  # before the cache moves: the file may be in the user's cache
     monkeypatch.setenv("RHYMERL_CACHE", str(tmp_path / "cache"))
-    f = _smollm2()
     folder = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(folder))
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}], add_generation_prompt=True,

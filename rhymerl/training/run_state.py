@@ -52,7 +52,8 @@ def read_run_state(ckpt: Path, state: dict[str, Any], row_of: dict[str, PromptRo
             raise ValueError(f"initial_heldout {heldout!r} is not a mapping of lists")
         gate = state.get("gate")
         placement = state.get("placement") or {}
-        if placement and not (isinstance(placement.get("scores"), dict) and isinstance(placement.get("steps"), int)
+        if placement and not (isinstance(placement, dict) and isinstance(placement.get("scores"), dict)
+                              and isinstance(placement.get("steps"), int)
                               and isinstance(placement.get("length_error_sigma"), (int, float))):
             raise ValueError(f"placement {placement!r} is not HistoPipe's placement state")
         return RunState(step=state["step"], loader=state["loader"],
