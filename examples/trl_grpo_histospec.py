@@ -24,6 +24,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from rhymerl.model.gguf import resolve_model
 from rhymerl.tasks import get_task
+from rhymerl.vllm.counters import spec_counters
 
 
 def main() -> None:
@@ -56,9 +57,7 @@ def main() -> None:
         def on_log(self, args, state, control, logs=None, **kw):
             if "reward" not in (logs or {}):
                 return
-            llm = trainer.vllm_generation.llm
-            got = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()} if llm.llm_engine.log_stats else {}
-            now = (got.get("vllm:spec_decode_num_drafts", 0), got.get("vllm:spec_decode_num_accepted_tokens", 0))
+            now = spec_counters(trainer.vllm_generation.llm)
             drafts, accepted = now[0] - self.seen[0], now[1] - self.seen[1]
             self.seen = now
             print("histospec", json.dumps({"step": state.global_step, "epoch": round(state.epoch or 0, 3),

@@ -812,8 +812,10 @@ def test_a_sample_moved_mid_generation_keeps_its_tokens_and_logprobs(engines, ti
 
 def _spec_counts(llm) -> tuple[float, float]:
     """vLLM's own counters so far: (accepted draft tokens, drafts)."""
-    got = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    return got.get("vllm:spec_decode_num_accepted_tokens", 0.0), got.get("vllm:spec_decode_num_drafts", 0.0)
+    from rhymerl.vllm.counters import spec_counters
+
+    drafts, accepted = spec_counters(llm)
+    return accepted, drafts
 
 
 @needs_vllm

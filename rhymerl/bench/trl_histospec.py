@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from rhymerl.bench.common import print_table, write_report
+from rhymerl.vllm.counters import spec_counters
 from rhymerl.vllm.env_switch import CONFIG, DTYPE, SWITCH
 
 DRAFT_TOKENS = 8
@@ -59,15 +61,6 @@ class TrlRun:
 def completion_text(c: Any) -> str:
     """A completion as TRL passes it: text, or a chat turn ``[{"role": ..., "content": ...}]``."""
     return c[-1]["content"] if isinstance(c, list) else str(c)
-
-
-def spec_counters(llm: Any) -> tuple[int, int]:
-    """(drafts, accepted tokens) so far: vLLM's counters (zeros where statistics are off: a run
-    without speculation)."""
-    if not llm.llm_engine.log_stats:
-        return 0, 0
-    got = {m.name: int(getattr(m, "value", 0) or 0) for m in llm.get_metrics()}
-    return got.get("vllm:spec_decode_num_drafts", 0), got.get("vllm:spec_decode_num_accepted_tokens", 0)
 
 
 def train_once(run: TrlRun, out_dir: str) -> list[dict[str, Any]]:
@@ -201,8 +194,6 @@ def run_variant(run: TrlRun, variant: str, work: Path) -> list[dict[str, Any]]:
 def run(json_path: str | None = None, *, quick: bool = False, model: str | None = None, rounds: int = 5,
         variants: tuple[str, ...] = ("plain", "histospec"), **settings: Any) -> dict[str, Any]:
     """Each variant once a round, for ``rounds`` rounds; tables by epoch."""
-    import tempfile
-
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown TRL variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
@@ -235,8 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", required=True, help="a TrlRun as JSON: one run in this process")
     p.add_argument("--out", required=True, help="where its steps go (JSON)")
     ns = p.parse_args(argv)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as out_dir:
         steps = train_once(TrlRun(**json.loads(ns.one)), out_dir)
     Path(ns.out).write_text(json.dumps(steps))
