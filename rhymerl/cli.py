@@ -170,12 +170,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rhymerl.distribution.work import WorkerLost
     from rhymerl.rewards.pool import RewardLoadError
     from rhymerl.training.checkpoint import CheckpointError
-    from rhymerl.training.engine_checks import LogpGapError
-    from rhymerl.training.policy_versions import RolloutTimeout
+    from rhymerl.training.rollout.engine_checks import LogpGapError
+    from rhymerl.training.rollout.policy_versions import RolloutTimeout
     from rhymerl.vllm.engine import LossySamplerError, VllmUnavailable, WeightSyncError
     from rhymerl.vllm.watchdog import EngineLost, EngineTimeout
-    from rhymerl.training.rollout_phase import RewardFunctionError
-    from rhymerl.training.trainer_group import TrainerRankError
+    from rhymerl.training.rollout.phase import RewardFunctionError
+    from rhymerl.training.update.trainer_group import TrainerRankError
 
     return (ConfigError, DatasetError, CheckpointError, RewardFunctionError, RewardLoadError, TrainerRankError,
             WorkerLost, InsecureClusterError, LogpGapError, RolloutTimeout, VllmUnavailable, LossySamplerError,

@@ -131,7 +131,7 @@ class RolloutSection:
     # trainer's on the same tokens every step (on up to 64 responses spread over the batch, filtered
     # groups included, under the weights that drew them): a step whose largest gap exceeds this
     # stops the run (a weight sync that missed a layer, or numerics apart). None: 1e-2 for float32,
-    # 0.4 for bfloat16/float16 (training/engine_checks.py). 0: logged, never enforced.
+    # 0.4 for bfloat16/float16 (training/rollout/engine_checks.py). 0: logged, never enforced.
     max_logp_gap: float | None = setting(None, range=NON_NEGATIVE, placement=True)
     # torch threads of each rollout engine (0: this process's for one local worker, else cores
     # / workers). Float results depend on it: it is part of what exactness holds for.
@@ -199,7 +199,7 @@ class TrainerSection:
     # one of rhymerl.model.data_parallel.STRATEGIES: fsdp (FSDP2, sharded) | ddp
     strategy: str = setting("fsdp", placement=True)
     # While a step's last samples generate, the finished groups' old log-probs and the first
-    # mini-batch's gradient are computed (training/stream.py); one optimizer step when the last
+    # mini-batch's gradient are computed (training/update/stream.py); one optimizer step when the last
     # group is in, so still on-policy. Needs the prompt split (auto picks it).
     stream_update: bool = False
     # Which samples share a mini-batch: samples (a draw over the kept samples) | prompts (a draw
@@ -393,8 +393,7 @@ def _validate_speculative(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.speculative.method: {sp.method!r} does not run on rollout.engine={r.engine} "
                           f"(valid there: {['none'] + sorted(methods)}){where}")
     # What the engine cannot do is refused up front, naming the key (never a silent fallback).
-    problems = unsupported(get_engine(r.engine), tree_budget=sp.tree_budget, invariant=r.invariant,
-                           online_head=trains_draft_head(sp))
+    problems = unsupported(get_engine(r.engine), r, online_head=trains_draft_head(sp))
     if problems:
         raise ConfigError("; ".join(problems))
     if sp.length_policy != "auto" and sp.length_policy not in POLICIES:

@@ -67,10 +67,15 @@ def get_engine(name: str) -> EngineSpec:
     return ENGINES[name]
 
 
-def unsupported(engine: EngineSpec, *, tree_budget: int = 0, invariant: bool = False,
-                online_head: bool = False) -> list[str]:
+def unsupported(engine: EngineSpec, cfg: Any, *, online_head: bool = False) -> list[str]:
     """What a run asks that ``engine`` cannot do, one line each naming the key: the one check
-    every entry point makes (the run config, the engine's worker, a vLLM program's proposer)."""
+    every entry point makes (the run config, the engine's worker, a vLLM program's proposer).
+    ``cfg``: the rollout config, or anything shaped like it (a worker's spec: ``speculative`` and
+    ``invariant``; a speculative config alone, inside vLLM). ``online_head``: whether the draft
+    sources train a head online (the draft-source registry knows; it sits above this module)."""
+    spec = getattr(cfg, "speculative", cfg)
+    tree_budget = getattr(spec, "tree_budget", 0) if spec is not None else 0
+    invariant = bool(getattr(cfg, "invariant", False))
     better = sorted(n for n, e in ENGINES.items() if e is not engine)
     where = f"rollout.engine={engine.name}"
     out = []

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from rhymerl.model import CausalLM, ModelConfig
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 
 
 def tiny_config(**kw) -> ModelConfig:

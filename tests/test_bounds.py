@@ -63,7 +63,7 @@ def test_trainer_ranks_asking_for_a_gpu_the_cluster_lacks_stop_the_run(base_mode
     import ray
 
     from rhymerl.model import load_pretrained
-    from rhymerl.training.trainer_group import TrainerGroup
+    from rhymerl.training.update.trainer_group import TrainerGroup
 
     cfg = load_config(None, ["trainer.world_size=2", "rollout.backend=ray", "model.device=cuda",
                              "trainer.rank_timeout_s=5"])
@@ -119,7 +119,7 @@ def test_rank_zeros_rendezvous_store_listens_on_the_node_address_alone(base_mode
     import ray
     import torch.distributed as dist
 
-    from rhymerl.training.rank import RankSpec, TrainerRank
+    from rhymerl.training.update.rank import RankSpec, TrainerRank
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     cfg = load_config(None, [])
@@ -139,7 +139,7 @@ def test_rank_zeros_rendezvous_store_listens_on_the_node_address_alone(base_mode
 
 
 def test_a_background_rollout_that_never_ends_stops_the_run_naming_it():
-    from rhymerl.training.policy_versions import PolicyVersions
+    from rhymerl.training.rollout.policy_versions import PolicyVersions
 
     versions = PolicyVersions(1, dict, lambda named: None, wait_s=1.0)
     versions.launch(2, lambda: time.sleep(30))

@@ -13,7 +13,7 @@ from rhymerl.data.splits import task_splits
 from rhymerl.drafting.rhyme import covered_share, covered_tokens
 from rhymerl.tasks import ChatSumsTask
 from rhymerl.tasks.chat_sums import last_number
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 from tests.helpers import tiny_chat_model
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
-from rhymerl.training.token_balance import balance_by_tokens
+from rhymerl.training.update.token_balance import balance_by_tokens
 
 from tests.helpers import kill_and_resume, learning_metrics, rl_overrides
 
@@ -136,7 +136,7 @@ def test_two_ranks_on_ray(base_model, tmp_path):
 
 def _group(tmp_path: Path, timeout_s: float):
     from rhymerl.bench.train import bench_model, synthetic_batch
-    from rhymerl.training.trainer_group import TrainerGroup
+    from rhymerl.training.update.trainer_group import TrainerGroup
     from rhymerl.model import load_pretrained
 
     path = bench_model(tmp_path / "policy", vocab=64)
@@ -148,7 +148,7 @@ def _group(tmp_path: Path, timeout_s: float):
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_a_rank_that_dies_or_hangs_stops_the_run_in_bounded_time(tmp_path, fault):
-    from rhymerl.training.trainer_group import TrainerRankError
+    from rhymerl.training.update.trainer_group import TrainerRankError
 
     group, exp = _group(tmp_path, timeout_s=4.0)
     try:

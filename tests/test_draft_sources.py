@@ -94,7 +94,7 @@ def test_a_new_source_is_one_class_and_one_registry_line():
 
 def _trained_head(model, steps: int):
     """A draft head trained as the RL update trains it, on sequences the model sampled."""
-    from rhymerl.training.draft_head_trainer import DraftHeadTrainer
+    from rhymerl.training.update.draft_head_trainer import DraftHeadTrainer
 
     sp = SamplingParams(n=8, temperature=1.0, max_tokens=40, ignore_eos=True, seed=11)
     outs = LLM(model, max_num_seqs=64, max_model_len=96).generate(PROMPTS, sp, use_tqdm=False)
@@ -199,7 +199,7 @@ def test_an_eagle3_head_trains_each_draft_step_as_vllm_drafts_it():
     vLLM's drafter computes at its s-th draft when the chain starts at t - s + 1 (from its own
     residual stream and its draft cache); training on the steps teaches the later ones too."""
     from rhymerl.vllm.eagle3_head import new_head
-    from rhymerl.training.eagle3_trainer import Eagle3Trainer
+    from rhymerl.training.update.eagle3_trainer import Eagle3Trainer
 
     policy = tiny_model(num_hidden_layers=4)
     head = new_head(policy.config, seed=1).eval()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rhymerl.config import load_config
-from rhymerl.training.engine_checks import LogpGapError, checked_responses, logp_gap
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.rollout.engine_checks import LogpGapError, checked_responses, logp_gap
+from rhymerl.training.metrics.logger import read_metrics
 
 from tests.helpers import rl_overrides
 
@@ -95,7 +95,7 @@ def test_the_gap_is_measured_where_tokens_are_and_nothing_compared_is_never_0():
     missing = logp_gap(token_logp, prompts, responses, [exact[0], [math.nan] * 3], 0)
     assert missing["rollout/logp_gap_max"] == math.inf  # a missing log-prob never passes
     with pytest.raises(LogpGapError):
-        from rhymerl.training.engine_checks import check_logp_gap
+        from rhymerl.training.rollout.engine_checks import check_logp_gap
         check_logp_gap(math.nan, 1e-2, 3, "vllm")
 
 
@@ -106,7 +106,7 @@ def test_the_checked_responses_spread_over_the_whole_batch():
 
 
 def test_the_16_bit_limits_sit_below_a_stale_layers_gap():
-    from rhymerl.training.engine_checks import max_logp_gap
+    from rhymerl.training.rollout.engine_checks import max_logp_gap
 
     stale_layer = 0.57  # the smallest gap one layer left unsynced gave (docs/design.md)
     assert max_logp_gap(None, "bfloat16") < stale_layer and max_logp_gap(None, "float16") < stale_layer
@@ -117,7 +117,7 @@ def test_the_trainers_top_p_log_probs_are_the_engines_bits_with_a_bounded_backwa
     and their backward holds no sort of the whole [rows, vocabulary] (the sort runs without
     autograd, in row blocks): a real vocabulary's top-p cost 18.7 GB of peak memory before."""
     from rhymerl.engine.sampler import sampling_logprobs
-    from rhymerl.training.trainer import sampling_token_logp
+    from rhymerl.training.update.trainer import sampling_token_logp
 
     torch.manual_seed(0)
     B, T, V = 3, 40, 500

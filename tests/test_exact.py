@@ -22,7 +22,7 @@ from rhymerl.config import load_config
 from rhymerl.engine import SamplingParams
 from rhymerl.llm import LLM
 from rhymerl.training.checkpoint import latest_checkpoint
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 
 from tests.helpers import learning_metrics, rl_overrides, tiny_model
 

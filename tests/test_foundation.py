@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rhymerl.config import ConfigError, load_config
+from rhymerl.config import ConfigError, RunConfig, load_config
 from rhymerl.data import DatasetError, load_dataset_files, task_dataset
 from rhymerl.rewards import RewardRegistry, extract_answer, load_reward_file
 from rhymerl.tasks import TASKS, get_task
@@ -331,6 +331,26 @@ def test_no_module_imports_from_a_floor_above_it():
     assert not upward, upward
 
 
+# Training's rooms (docs/design.md), lowest first: a room imports only from its own or lower ones.
+ROOMS = [{"checkpoint", "metrics"}, {"rollout"}, {"update"}, {"sft"}, {"run"}, {"rl"}]
+
+
+def _room(module: str) -> int:
+    name = module.split(".")[2]
+    return next(i for i, names in enumerate(ROOMS) if name in names)
+
+
+def test_training_rooms_import_downward_and_the_loop_reads_them_whole():
+    graph = {m: d for m, d in _import_graph().items() if m.startswith("rhymerl.training.")}
+    upward = sorted((m, x) for m, deps in graph.items() for x in deps
+                    if x.startswith("rhymerl.training.") and _room(x) > _room(m))
+    assert not upward, upward
+    # the loop reads each room through its package, not its files
+    rl = _import_graph()["rhymerl.training.rl"]
+    assert len(rl) <= 12, sorted(rl)
+    assert not [x for x in rl if x.count(".") > 2 and x.split(".")[2] in ("metrics", "rollout", "run", "update")]
+
+
 def test_the_config_reference_lists_every_key_and_docs_config_md_is_current():
     from pathlib import Path
 
@@ -396,8 +416,8 @@ def test_mistakes_on_the_vllm_path_are_one_line(monkeypatch, capsys):
     push, a log-prob gap, a rollout past trainer.rollout_wait_s: each one line naming what to do."""
     import rhymerl.training.rl as rl
     from rhymerl.cli import main
-    from rhymerl.training.engine_checks import LogpGapError
-    from rhymerl.training.policy_versions import RolloutTimeout
+    from rhymerl.training.rollout.engine_checks import LogpGapError
+    from rhymerl.training.rollout.policy_versions import RolloutTimeout
     from rhymerl.vllm import engine as vllm_engine
     from rhymerl.vllm.watchdog import EngineLost
 
@@ -480,8 +500,10 @@ def test_each_engine_is_described_once_and_every_entry_point_asks_its_descriptio
     from rhymerl.vllm.proposer import proposer_config
 
     assert all(isinstance(e.worker_class(), type) and _speculative_methods(e.name) for e in ENGINES.values())
-    assert unsupported(get_engine("native"), tree_budget=8, invariant=True, online_head=True) == []
-    said = unsupported(get_engine("vllm"), tree_budget=8, invariant=True, online_head=True)
+    asks = RunConfig().rollout
+    asks = dataclasses.replace(asks, invariant=True, speculative=asks.speculative.with_(tree_budget=8))
+    assert unsupported(get_engine("native"), asks, online_head=True) == []
+    said = unsupported(get_engine("vllm"), asks, online_head=True)
     assert [s.split(":")[0] for s in said] == ["rollout.speculative.tree_budget=8", "rollout.invariant=true",
                                                "rollout.speculative"]
     for entry in (lambda: load_config(None, ["rollout.engine=vllm", "rollout.speculative.tree_budget=8"]),

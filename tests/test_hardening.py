@@ -23,7 +23,7 @@ from rhymerl.data.filters import filter_rows
 from rhymerl.data.loader import PromptLoader
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.training.checkpoint import latest_checkpoint
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 
 from tests.helpers import learning_metrics, rl_overrides, tiny_model
 
@@ -107,7 +107,7 @@ def test_a_hanging_reward_scores_zero_and_the_run_goes_on(base_model, tmp_path):
 ])
 def test_a_reward_failing_on_every_row_stops_the_run_naming_it(base_model, tmp_path, name, body, says):
     from rhymerl.training.rl import train
-    from rhymerl.training.rollout_phase import RewardFunctionError
+    from rhymerl.training.rollout.phase import RewardFunctionError
 
     f = tmp_path / f"{name}.py"
     f.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")
@@ -192,7 +192,7 @@ def test_a_batch_never_holds_one_prompt_twice():
 def test_heldout_samples_are_seeded_per_prompt():
     from rhymerl.llm import LLM
     from rhymerl.rewards import RewardRegistry
-    from rhymerl.training.evaluate import evaluate
+    from rhymerl.training.metrics.heldout import evaluate
 
     llm = LLM(tiny_model(), max_num_seqs=16, max_model_len=64)
     outs = []
@@ -365,7 +365,7 @@ def test_long_generation_keeps_engine_stats_and_drafter_cache_flat():
 def test_trainer_logprobs_follow_top_p_and_top_k():
     from rhymerl.engine import SamplingParams
     from rhymerl.llm import LLM
-    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from rhymerl.training.update.trainer import Experience, PolicyTrainer
 
     cfg = load_config(None, ["rollout.temperature=1.0", "rollout.top_p=0.9", "rollout.top_k=8",
                              "trainer.ppo_mini_batches=2"])

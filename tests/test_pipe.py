@@ -426,7 +426,7 @@ def test_paused_samples_continue_to_the_tokens_of_an_uninterrupted_run(model_dir
     """Partial rollouts: samples paused at a token budget and continued from their prefix (same
     weights here) end with the tokens they would have had; finished siblings are kept."""
     from rhymerl.model import load_pretrained
-    from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
+    from rhymerl.training.rollout.partial import CarriedGroup, merge, paused_samples, step_budget
 
     reqs = _requests(n_prompts=6, max_tokens=40)
     ref = _reference(model_dir, reqs)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from rhymerl.config import load_config
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 from tests.helpers import tiny_chat_model
 
 def _gsm8k_rows(n: int, offset: int) -> list[dict]:

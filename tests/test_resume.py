@@ -67,7 +67,7 @@ def _skip_weights(mp):
 
 def _skip_trainer_part(attr: str):
     def skip(mp):
-        from rhymerl.training.trainer import PolicyTrainer
+        from rhymerl.training.update.trainer import PolicyTrainer
 
         orig = PolicyTrainer._load_single
 
@@ -157,7 +157,7 @@ def test_resume_runs_no_code_from_the_run_folder(reference, tmp_path):
         rl.close()
     assert not marker.exists()
     # and a one-process trainer never calls the sharded reader, manifest or not
-    from rhymerl.training.trainer import PolicyTrainer
+    from rhymerl.training.update.trainer import PolicyTrainer
 
     calls = []
     orig = PolicyTrainer._load_sharded
@@ -204,7 +204,7 @@ def test_a_damaged_sharded_trainer_state_is_a_checkpoint_error_not_a_crash(tmp_p
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from rhymerl.training.checkpoint import CheckpointError
-    from rhymerl.training.trainer import TRAINER_DIR, PolicyTrainer
+    from rhymerl.training.update.trainer import TRAINER_DIR, PolicyTrainer
     from tests.helpers import tiny_model
 
     cfg = load_config(None, [])
@@ -270,7 +270,7 @@ def test_rendezvous_folders_of_dead_processes_are_removed(tmp_path, monkeypatch)
     import os
     import tempfile
 
-    from rhymerl.training import trainer_group
+    from rhymerl.training.update import trainer_group
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = tmp_path / f"{trainer_group.RDZV_PREFIX}999999999-abc"  # no such pid
@@ -346,7 +346,7 @@ def test_histopipes_placement_scores_come_back_with_the_checkpoint(reference, tm
 
 def test_a_malformed_placement_state_is_a_checkpoint_error(tmp_path):
     from rhymerl.training.checkpoint import CheckpointError
-    from rhymerl.training.run_state import read_run_state
+    from rhymerl.training.run.state import read_run_state
 
     with pytest.raises(CheckpointError, match="placement"):
         read_run_state(tmp_path, {"step": 2, "loader": {}, "placement": {"scores": [1, 2]}}, {})

@@ -8,7 +8,7 @@ import torch
 
 from rhymerl.config import ConfigError, load_config
 from rhymerl.training.checkpoint import latest_checkpoint
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 
 from tests.helpers import TINY, kill_and_resume, learning_metrics, rl_overrides
 
@@ -198,8 +198,8 @@ def test_streamed_groups_landing_out_of_order_give_the_same_bits(base_model):
 
     from rhymerl.config import load_config as lc
     from rhymerl.model import load_pretrained
-    from rhymerl.training.stream import StreamedUpdate
-    from rhymerl.training.trainer import PolicyTrainer
+    from rhymerl.training.update.stream import StreamedUpdate
+    from rhymerl.training.update.trainer import PolicyTrainer
 
     cfg = lc(None, TINY + ["trainer.minibatch_split=prompts", "trainer.ppo_mini_batches=2"])
     rng = random.Random(0)
@@ -232,7 +232,7 @@ def test_streamed_groups_landing_out_of_order_give_the_same_bits(base_model):
 def test_nonfinite_update_is_skipped_then_aborts(base_model):
     from rhymerl.config import load_config as lc
     from rhymerl.model import load_pretrained
-    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from rhymerl.training.update.trainer import Experience, PolicyTrainer
 
     cfg = lc(None, TINY + ["trainer.max_bad_steps=1"])
     model = load_pretrained(base_model)
@@ -252,7 +252,7 @@ def test_trainer_logps_are_the_rollout_distribution(temperature):
     """Old log-probs recomputed by the trainer equal the engine's log-probs of the sampled
     tokens under the rollout's sampling distribution (temperature included)."""
     from rhymerl import LLM, SamplingParams
-    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from rhymerl.training.update.trainer import Experience, PolicyTrainer
     from tests.helpers import tiny_model
 
     cfg = load_config(None, [f"rollout.temperature={temperature}"])
@@ -274,7 +274,7 @@ def test_token_budget_micro_batches_give_the_same_update():
     sequence lands in exactly one micro-batch within the budget, and the update is the same."""
     import copy
 
-    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from rhymerl.training.update.trainer import Experience, PolicyTrainer
     from tests.helpers import tiny_model
 
     g = torch.Generator().manual_seed(0)
@@ -368,7 +368,7 @@ def test_async_rl_is_reproducible_and_resumes_exactly_with_a_batch_in_flight(bas
 
 
 def test_the_heldout_gain_carries_a_paired_bootstrap_interval(capsys, tmp_path):
-    from rhymerl.training.summary import paired_gain, print_summary, reward_rise
+    from rhymerl.training.metrics.summary import paired_gain, print_summary, reward_rise
 
     before = [0.0] * 60 + [1.0] * 40
     after = [1.0] * 30 + [0.0] * 30 + [1.0] * 40  # +30 points on the same prompts
@@ -395,15 +395,15 @@ def _collapse(h, steps) -> tuple[list[float], list]:
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("rhymerl.training.engine_checks").addHandler(handler)
+    logging.getLogger("rhymerl.training.rollout.engine_checks").addHandler(handler)
     try:
         return [h.update(1.0, s) for s in steps], records
     finally:
-        logging.getLogger("rhymerl.training.engine_checks").removeHandler(handler)
+        logging.getLogger("rhymerl.training.rollout.engine_checks").removeHandler(handler)
 
 
 def test_drafter_health_marks_a_collapse_once():
-    from rhymerl.training.engine_checks import DrafterHealth
+    from rhymerl.training.rollout.engine_checks import DrafterHealth
 
     h = DrafterHealth(window=4)
     healthy = [h.update(v, s) for s, v in enumerate([1.0, 2.4, 2.5, 2.6, 2.5, 2.4], 1)]
@@ -417,7 +417,7 @@ def test_drafter_health_warns_when_the_main_jobs_acceptance_collapses():
     """A trail like the main job's (1.5-1.7 tokens per forward) falling to 1.0: the drafts add
     nothing, so health reads 0 and warns; the collapsed steps never enter the trail (the old
     rule, tokens per forward over its mean, read 0.62 here and never warned)."""
-    from rhymerl.training.engine_checks import DrafterHealth
+    from rhymerl.training.rollout.engine_checks import DrafterHealth
 
     h = DrafterHealth(window=10)
     for s, v in enumerate([1.55, 1.62, 1.70, 1.58, 1.66, 1.60], 1):
@@ -431,7 +431,7 @@ def test_drafter_health_warns_when_the_main_jobs_acceptance_collapses():
 def test_drafter_health_does_not_warn_before_drafting_has_paid():
     """A first epoch that drafts next to nothing (1.00-1.01 tokens per forward) sets no bar: a
     step of 1.00 after it is no collapse (the main job under load warned at step 7 before)."""
-    from rhymerl.training.engine_checks import DrafterHealth
+    from rhymerl.training.rollout.engine_checks import DrafterHealth
 
     h = DrafterHealth(window=10)
     for s, v in enumerate([1.0, 1.01, 1.0, 1.005], 1):

@@ -750,7 +750,7 @@ def test_an_eagle3_head_trained_here_and_pushed_drafts_better_inside_vllm(engine
     from rhymerl.distribution.vllm_worker import VllmRolloutWorker
     from rhymerl.distribution.work import WorkerSpec
     from rhymerl.model import load_pretrained
-    from rhymerl.training.eagle3_trainer import Eagle3Trainer
+    from rhymerl.training.update.eagle3_trainer import Eagle3Trainer
 
     path, prompts = tiny
     spec = _model_spec("eagle3", path, tmp_path)
@@ -1054,7 +1054,7 @@ def test_the_main_job_runs_on_vllm_with_historyspec_and_synced_weights(vllm_base
     once a history exists) and every step samples with the weights the trainer just wrote
     (the engine's log-probs match the trainer's); with two engines (processes or Ray actors)
     HistoPipe places the groups."""
-    from rhymerl.training.metrics import read_metrics
+    from rhymerl.training.metrics.logger import read_metrics
     from rhymerl.training.rl import train
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -1079,8 +1079,8 @@ def test_a_run_whose_engine_samples_with_other_weights_stops_at_that_step(vllm_b
     sync on (the load check switched off, as a vLLM that misreports would) stop the run at the
     first step sampled on them, naming it; the steps before were trained and checkpointed."""
     import rhymerl.vllm.engine as vllm_engine
-    from rhymerl.training.engine_checks import LogpGapError
-    from rhymerl.training.metrics import read_metrics
+    from rhymerl.training.rollout.engine_checks import LogpGapError
+    from rhymerl.training.metrics.logger import read_metrics
     from rhymerl.training.rl import train
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -1110,7 +1110,7 @@ def test_the_main_job_on_vllm_trains_an_eagle3_head_and_pushes_it_with_every_syn
     start from, trains it on the policy's hidden states each step, and pushes it with the policy,
     so vLLM's drafts get better while the policy's log-probs stay the trainer's; the checkpoint
     keeps it (a head folder vLLM loads, plus its optimizer state)."""
-    from rhymerl.training.metrics import read_metrics
+    from rhymerl.training.metrics.logger import read_metrics
     from rhymerl.training.rl import train
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -187,7 +187,7 @@ def calibrate(model: str, cfg: RunConfig) -> LocalCosts:
     from rhymerl.model import load_pretrained
     from rhymerl.bench.step_model import LocalCosts
     from rhymerl.tokenizer import encode_prompt, load_tokenizer
-    from rhymerl.training.trainer import Experience, PolicyTrainer
+    from rhymerl.training.update.trainer import Experience, PolicyTrainer
 
     r = cfg.rollout
     tok = load_tokenizer(model)

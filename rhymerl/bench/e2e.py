@@ -31,7 +31,7 @@ import numpy as np
 
 from rhymerl.bench.calibrate import calibrate, describe, mean_costs
 from rhymerl.bench.common import bootstrap_interval, print_table, write_report
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 
 SPEED = ("timing_s/", "perf/", "spec/", "pipe/")
 
@@ -47,7 +47,7 @@ def simulated_steps(costs: Any, run_dir: Path, rows: list[dict], *, workers: int
     import json
 
     from rhymerl.bench.step_model import local_rollout, local_rollout_s, overlapped_s, streamed_s
-    from rhymerl.training.stream import processing_order, prompt_minibatches
+    from rhymerl.training.update.stream import processing_order, prompt_minibatches
 
     traces = {t["step"]: t for t in map(json.loads, (run_dir / "traces.jsonl").read_text().splitlines())}
     out = []

@@ -352,7 +352,7 @@ def measured_rows(model: str, worker_counts: list[int], steps: int, batch: int, 
     from rhymerl.engine import SamplingParams
     from rhymerl.model import load_pretrained
     from rhymerl.tokenizer import encode_prompt, load_tokenizer
-    from rhymerl.training.rollout_phase import rollout_seed
+    from rhymerl.training.rollout.phase import rollout_seed
 
     cfg = load_config()
     tok = load_tokenizer(model)

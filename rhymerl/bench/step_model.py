@@ -364,7 +364,7 @@ def streamed_s(rollout_s: float, done_s: list[float], logp_s: list[float], grad_
     """A step whose update streams into its rollout (``trainer.stream_update``), groups in
     processing order: a group's log-probs (``logp_s``) can run once it is done (``done_s``, on the
     rollout's own clock), its share of the first mini-batch's gradient (``grad_s``) only after
-    every group before it (:class:`rhymerl.training.stream.StreamedUpdate`: the next group in
+    every group before it (:class:`rhymerl.training.update.stream.StreamedUpdate`: the next group in
     order if it is done, else the log-probs of any later one that is). While both run, the
     rollout goes ``slow_rollout`` and the work ``slow_train`` times slower (shared cores); once
     the rollout ends the work left runs at about its speed alone (a second thread joins the

@@ -20,7 +20,7 @@ from rhymerl.bench.common import print_table, write_report
 
 def synthetic_batch(vocab: int, *, sequences: int = 64, seed: int = 0) -> Any:
     """An RL batch shaped like the main job's: prompts of 12-40 tokens, responses of 4-120, random advantages."""
-    from rhymerl.training.trainer import Experience
+    from rhymerl.training.update.trainer import Experience
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses = [], []
@@ -52,7 +52,7 @@ def reference_gradient(model_path: Path, exp: Any, overrides: list[str]) -> dict
     """One plain process's gradient of the whole batch taken as one mini-batch."""
     from rhymerl.config import load_config
     from rhymerl.model import load_pretrained
-    from rhymerl.training.trainer import PolicyTrainer
+    from rhymerl.training.update.trainer import PolicyTrainer
 
     cfg = load_config(None, overrides)
     model = load_pretrained(model_path)
@@ -75,7 +75,7 @@ def measure(model_path: Path, exp: Any, world_size: int, strategy: str, override
             reference: dict[str, torch.Tensor], repeats: int = 5, backend: str = "local") -> dict[str, Any]:
     """One row: a trainer group of ``world_size`` ranks on ``exp``."""
     from rhymerl.config import load_config
-    from rhymerl.training.trainer_group import TrainerGroup
+    from rhymerl.training.update.trainer_group import TrainerGroup
     from rhymerl.model import load_pretrained
 
     cfg = load_config(None, overrides + [f"trainer.world_size={world_size}", f"trainer.strategy={strategy}",

@@ -55,7 +55,7 @@ def run_trl(base: str, prompts: int, n: int, max_tokens: int, lr: float, steps: 
 def run_ours(base: str, prompts: int, n: int, max_tokens: int, lr: float, steps: int, temperature: float,
              seed: int) -> float:
     from rhymerl.config import load_config
-    from rhymerl.training.metrics import read_metrics
+    from rhymerl.training.metrics.logger import read_metrics
     from rhymerl.training.rl import train
 
     with tempfile.TemporaryDirectory() as out:

@@ -240,7 +240,7 @@ def shared_buffer(named: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list
 
 # What the process server imports once, so that each process forked from it starts with them
 # loaded instead of importing torch and this package again (2.5-4 s of CPU per process here).
-_SERVER_PRELOAD = ["torch", "rhymerl.distribution.worker", "rhymerl.training.rank"]
+_SERVER_PRELOAD = ["torch", "rhymerl.distribution.worker", "rhymerl.training.update.rank"]
 
 
 def spawn_processes(cls: type, args: list[tuple], *, name: str, preload: tuple[str, ...] = (),

@@ -40,8 +40,7 @@ class VllmRolloutWorker:
         from rhymerl.model.config import ModelConfig
         from rhymerl.vllm.engine import VllmEngine
 
-        problems = unsupported(get_engine("vllm"), invariant=spec.invariant,
-                               tree_budget=spec.speculative.tree_budget if spec.speculative else 0)
+        problems = unsupported(get_engine("vllm"), spec)
         if problems:
             raise ValueError("; ".join(problems))
         self.engine = engine if engine is not None else VllmEngine(spec.model_path, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,

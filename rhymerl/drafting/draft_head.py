@@ -8,7 +8,7 @@ attention, so it needs no KV cache: drafting ``k`` tokens for a batch is ``k`` s
 matmuls. It drafts coupled to the target's sampler like the draft model
 (:mod:`rhymerl.drafting.draft_model`).
 
-The head is trained online during RL (:mod:`rhymerl.training.draft_head_trainer`) on the
+The head is trained online during RL (:mod:`rhymerl.training.update.draft_head_trainer`) on the
 hidden states the trainer's forward computes anyway, and pushed to the rollout workers with
 the policy's weights under the names ``draft_head.*``.
 """

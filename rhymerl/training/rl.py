@@ -6,12 +6,11 @@ One step reads top to bottom as named phases (:meth:`RLRun.train_step`):
 
 Synchronous (``trainer.async_staleness=0``): each step generates with the weights it trains
 (rollout seeded per step and prompt key), so every response of step t comes from the weights
-of step t. Async (S >= 1): :class:`~rhymerl.training.policy_versions.PolicyVersions` decides
-which version draws each batch. Metrics are pure functions (:mod:`.step_metrics`).
+of step t. Async (S >= 1): :class:`~rhymerl.training.rollout.policy_versions.PolicyVersions` decides
+which version draws each batch. Metrics are pure functions (:mod:`rhymerl.training.metrics.step`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -19,15 +18,12 @@ from typing import Any
 
 import torch
 
-from rhymerl.algos import ADV_ESTIMATORS, shaped_rewards
-from rhymerl.atomic_io import atomic_write_text, fsync_file
+from rhymerl.atomic_io import fsync_file
 from rhymerl.config import RunConfig, load_config, minibatch_split
-from rhymerl.device import machine_info, resolve_device, torch_threads
+from rhymerl.device import resolve_device, torch_threads
 from rhymerl.progress import progress
 from rhymerl.rollout_engines import get_engine
-from rhymerl.rewards import RewardPool, RewardSpec
-from rhymerl.tokenizer import load_tokenizer, tokenizer_fingerprint
-from rhymerl.training.batch import KeptBatch, ScoredRollout, UpdateResult
+from rhymerl.tokenizer import load_tokenizer
 from rhymerl.training.checkpoint import (
     CheckpointError,
     complete_checkpoints,
@@ -35,28 +31,56 @@ from rhymerl.training.checkpoint import (
     load_checkpoint_into,
     save_checkpoint,
 )
-from rhymerl.training.engine_checks import DrafterHealth, check_logp_gap, checked_responses, logp_gap, max_logp_gap
-from rhymerl.training.evaluate import evaluate
-from rhymerl.training.inputs import with_absolute_paths
-from rhymerl.training.metrics import MetricsLogger, append_trace, plot_run, truncate_trace
-from rhymerl.training.partial import CarriedGroup
-from rhymerl.training.policy_versions import PolicyVersions
-from rhymerl.training.rollout_phase import RolloutPhase
-from rhymerl.training.run_builder import (
+from rhymerl.training.metrics import (
+    MetricsLogger,
+    StepFacts,
+    StepTimes,
+    append_trace,
+    evaluate,
+    merge_counts,
+    plot_run,
+    print_summary,
+    step_metrics,
+    summarize,
+    truncate_trace,
+    write_summary,
+)
+from rhymerl.training.rollout import (
+    CarriedGroup,
+    DrafterHealth,
+    KeptBatch,
+    PolicyVersions,
+    RolloutPhase,
+    ScoredRollout,
+    UpdateResult,
+    check_logp_gap,
+    checked_responses,
+    logp_gap,
+    max_logp_gap,
+)
+from rhymerl.training.run import (
     build_history,
+    build_rewards,
+    build_rollout,
     build_trainer,
-    engines_config,
+    continued_config,
     load_data,
     load_policy,
     pinned_inputs,
+    read_run_config,
+    read_run_state,
+    restore_history,
+    update_threads,
+    with_absolute_paths,
 )
-from rhymerl.training.run_settings import continued_config, read_run_config
-from rhymerl.training.run_state import read_run_state
-from rhymerl.training.stream import finish_prompt_split, streamed_update_for
-from rhymerl.training.step_metrics import StepFacts, StepTimes, async_metrics, merge_counts, step_metrics
 from rhymerl.training.sft import read_card, short_base
-from rhymerl.training.summary import print_summary, summarize
-from rhymerl.training.trainer import Experience, sampling_token_logp
+from rhymerl.training.update import (
+    Experience,
+    advantages,
+    finish_prompt_split,
+    sampling_token_logp,
+    streamed_update_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +91,11 @@ def run_dir_for(cfg: RunConfig) -> Path:
 
 class RLRun:
     """All state of one training run; ``run()`` executes it from its current step. Its parts are
-    built by :mod:`.run_builder`, a step's collect phase is :class:`.rollout_phase.RolloutPhase`,
-    and what a checkpoint restores beside the weights is :mod:`.run_state`."""
+    built by the run room (:mod:`rhymerl.training.run`), a step's collect phase is the rollout room's
+    :class:`~rhymerl.training.rollout.RolloutPhase`, the update is the update room's."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, progress: bool = True,
                  accept_changed_inputs: bool = False) -> None:
-        from rhymerl.distribution.factory import build_coordinator, trainer_threads_beside_workers
-
         self.run_dir, self.progress = run_dir, progress
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg, base = pinned_inputs(cfg, run_dir, latest_checkpoint(run_dir) is not None, accept_changed_inputs)
@@ -82,9 +104,7 @@ class RLRun:
         self.tokenizer = load_tokenizer(base)
         self.model = load_policy(cfg, base, self.device)
         self.data = load_data(cfg, self.tokenizer)
-        sources = tuple(sorted({r.data_source for r in self.data.train_rows + self.data.val_rows}))
-        self.reward_spec = RewardSpec(cfg.data.reward_file, cfg.data.reward_fn_name, sources)
-        self.rewards = RewardPool(self.reward_spec, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+        self.reward_spec, self.rewards = build_rewards(cfg, self.data)
         try:
             self.trainer, self.draft_head = build_trainer(cfg, base, self.model, self.device)
         except BaseException:
@@ -93,8 +113,8 @@ class RLRun:
         self.sync_bytes = sum(p.numel() * 4 for p in self._named().values())  # float32 to the workers (head too)
         self.history = build_history(cfg, self.tokenizer)
         try:
-            self.rollout = build_coordinator(engines_config(cfg, self.draft_head, run_dir), base, self._named(),
-                                             tokenizer=self.tokenizer, history=self.history)
+            self.rollout = build_rollout(cfg, self.draft_head, run_dir, base, self._named(), self.tokenizer,
+                                         self.history)
         except BaseException:
             self.rewards.close()  # no reward or trainer processes left behind either
             self.trainer.close()
@@ -106,10 +126,7 @@ class RLRun:
         self.metrics = MetricsLogger(run_dir)
         self.trainer_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.drafter_health = DrafterHealth()
-        # An update overlapping the rollout (async RL, a streamed update) keeps, in this
-        # process, to the cores the workers leave (a fixed count: its numbers never follow timing).
-        overlaps = cfg.trainer.async_staleness or cfg.trainer.stream_update
-        self.update_threads = trainer_threads_beside_workers(cfg) if overlaps and self.trainer.in_process else 0
+        self.update_threads = update_threads(cfg, self.trainer)  # an update beside the rollout: the cores left
         self.prompt_split = minibatch_split(cfg) == "prompts"  # the update starts on groups as they land
         self.step = 0
         self.initial_accuracy: dict[str, float] | None = None
@@ -186,7 +203,8 @@ class RLRun:
                                behaviour_logprobs=behaviour if self.versions.asynchronous else None)
         # Beside an async rollout, on the cores its worker leaves (update_threads; 0 keeps every core).
         with torch_threads(self.update_threads):
-            res = self._advantages(exp, scores, [len(r) for r in responses], groups, batch.version, step)
+            res = advantages(self.trainer, self.cfg, exp, scores, [len(r) for r in responses], groups,
+                             step - 1 - batch.version if self.versions.asynchronous else None)
             t = time.perf_counter()
             res.metrics.update(self.trainer.update(exp, step, self.cfg.seed))
             res.update_s = time.perf_counter() - t
@@ -219,28 +237,6 @@ class RLRun:
         check_logp_gap(gap["rollout/logp_gap_max"], max_logp_gap(self.cfg.rollout.max_logp_gap, self.cfg.model.dtype),
                        step, self.cfg.rollout.engine)
         return gap
-
-    def _advantages(self, exp: Experience, scores: list[float], lengths: list[int], groups: list[int],
-                    drawn_by: int, step: int) -> UpdateResult:
-        """Old (and reference) log-probs, rewards shaped by the algorithm, and advantages
-        (written into ``exp``)."""
-        cfg, algo = self.cfg, self.cfg.algorithm
-        res = UpdateResult()
-        t = time.perf_counter()
-        self.trainer.compute_logps(exp)
-        res.old_s = time.perf_counter() - t
-        if self.versions.asynchronous:
-            assert exp.old_logp is not None and exp.behav_logp is not None
-            res.metrics.update(async_metrics(exp.old_logp, exp.behav_logp, exp.response_mask, step - 1 - drawn_by,
-                                             algo.is_cap))
-        res.rewards, seq_kl = shaped_rewards(torch.tensor(scores, dtype=torch.float32), torch.tensor(lengths), algo,
-                                             cfg.rollout.max_tokens, exp.old_logp, exp.ref_logp, exp.response_mask)
-        if seq_kl is not None:
-            res.metrics["critic/kl_in_reward"] = float(seq_kl.mean())
-        res.advantages = ADV_ESTIMATORS[algo.adv_estimator](res.rewards, torch.tensor(groups),
-                                                            norm_by_std=algo.norm_adv_by_std)
-        exp.advantages = res.advantages.float()
-        return res
 
     def _sync(self, step: int) -> tuple[int, float]:
         """The update's weights into the controller's copy (from trainer ranks) and, in a
@@ -305,13 +301,7 @@ class RLRun:
         self.carried = rs.carried
         self.versions.restore(self.step, rs.snapshots, rs.inflight)
         if self.history is not None:
-            from rhymerl.drafting import HistoryStore
-
-            # A missing or damaged store is discarded inside load (history only accelerates).
-            loaded = HistoryStore.load(ckpt / "history.json.gz",
-                                       tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
-                                       vocab_size=self.model.config.vocab_size)
-            self.history.replace_with(loaded)
+            restore_history(self.history, ckpt, self.tokenizer, self.model.config.vocab_size)
         self.rollout.load_placement_state(rs.placement)  # HistoPipe's auto continues where it was
         return rs.gate
 
@@ -409,8 +399,7 @@ class RLRun:
         card = read_card(self.base)
         if card is not None and short_base(card):
             summary["base_short"] = short_base(card)  # said at the end too: the run learnt from a short base
-        summary["machine"] = machine_info()  # exactness holds per CPU model, torch build and threads
-        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_summary(self.run_dir, summary)
         return summary
 
 
@@ -421,7 +410,7 @@ def _every(step: int, period: int) -> bool:
 
 def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> RunConfig:
     """A run folder's own config, with the ``key=value`` changes a later session may make
-    (:mod:`.run_settings`: placement keys, a raised ``trainer.steps``); any other is refused."""
+    (:mod:`rhymerl.training.run.settings`: placement keys, a raised ``trainer.steps``); any other is refused."""
     own = read_run_config(run_dir)
     wanted = load_config(run_dir / "config.yaml", overrides) if overrides else own
     return continued_config(run_dir, wanted, _checkpoint_step(run_dir), how="--resume")

@@ -26,7 +26,7 @@ from rhymerl.progress import progress as progress_bar
 from rhymerl.rewards import RewardRegistry
 from rhymerl.tasks import Task, get_task
 from rhymerl.tokenizer import build_char_tokenizer
-from rhymerl.training.evaluate import evaluate
+from rhymerl.training.metrics.heldout import evaluate
 
 CARD = "rhymerl_card.json"
 

@@ -1,6 +1,6 @@
 """Eagle3 heads for vLLM's ``eagle3`` method, in the Hugging Face layout vLLM loads
 (``midlayer.*``, ``fc``, ``norm``, ``lm_head``; config ``LlamaForCausalLMEagle3``), and the head as
-a torch module that trains on the policy's hidden states (:mod:`rhymerl.training.eagle3_trainer`).
+a torch module that trains on the policy's hidden states (:mod:`rhymerl.training.update.eagle3_trainer`).
 
 At position ``t`` the head reads three of the policy's hidden states (the residual stream entering
 three of its layers; ``fc`` joins them) and the embedding of token ``t+1``, runs one decoder layer

@@ -66,7 +66,7 @@ def vllm_speculative(cfg: SpecConfig | None) -> tuple[dict[str, Any] | None, dic
     What vLLM cannot verify is refused here, never dropped."""
     if cfg is None or cfg.method == "none":
         return None, {}
-    problems = unsupported(get_engine("vllm"), tree_budget=cfg.tree_budget)
+    problems = unsupported(get_engine("vllm"), cfg)
     if problems:
         raise ValueError("; ".join(problems))
     spec = get_vllm_method(cfg.method)(cfg)

@@ -72,7 +72,7 @@ def proposer_config(k: int, extra: dict[str, Any] | None) -> SpecConfig:
     fields = renamed_keys(extra or {}, "speculative")
     fields.setdefault("method", "history")
     cfg = SpecConfig.from_mapping(fields)
-    problems = unsupported(get_engine("vllm"), tree_budget=cfg.tree_budget)
+    problems = unsupported(get_engine("vllm"), cfg)
     if problems:
         raise ValueError("rhymerl.vllm.HistoSpecProposer: " + "; ".join(problems))
     model = [n for n in source_names(cfg) if get_source(n).runs_a_model]  # index sources only run inside vLLM

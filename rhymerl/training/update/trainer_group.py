@@ -3,7 +3,7 @@ collect their parts, and stop the run with a clear error if one dies or hangs.
 
 Ranks are local processes started from the fork server (rendezvous through a file in a
 private folder; gloo on the loopback interface only) or Ray actors (rendezvous at rank 0's node
-address). Each rank is a :class:`rhymerl.training.rank.TrainerRank`.
+address). Each rank is a :class:`rhymerl.training.update.rank.TrainerRank`.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from rhymerl.config import RunConfig
 from rhymerl.distribution.backends import WorkerHandle, init_ray, shared_buffer, spawn_processes
 from rhymerl.distribution.work import WorkerLost
 from rhymerl.model import CausalLM
-from rhymerl.training.rank import RankSpec, TrainerRank
-from rhymerl.training.trainer import Experience, SyncStats
+from rhymerl.training.update.rank import RankSpec, TrainerRank
+from rhymerl.training.update.trainer import Experience, SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class TrainerRankError(RuntimeError):
 class TrainerGroup:
     """``trainer.world_size`` ranks training the policy together (``trainer.strategy``).
 
-    It meets :class:`~rhymerl.training.trainer.Trainer`, as the one-process trainer does;
+    It meets :class:`~rhymerl.training.update.trainer.Trainer`, as the one-process trainer does;
     its :meth:`publish` brings the ranks' new weights into ``model``, the controller's copy
     that the rollout workers are synced from and checkpoints are written from.
     """

@@ -18,10 +18,11 @@ from rhymerl.data.splits import task_splits
 from rhymerl.device import resolve_dtype
 from rhymerl.drafting import trains_draft_head, trains_eagle3
 from rhymerl.model import load_pretrained
+from rhymerl.rewards import RewardPool, RewardSpec
 from rhymerl.tokenizer import tokenizer_fingerprint
-from rhymerl.training.inputs import check_inputs, record_inputs, with_absolute_paths
+from rhymerl.training.run.inputs import check_inputs, record_inputs, with_absolute_paths
 from rhymerl.training.sft import CARD, ensure_base_model, sft_output_dir
-from rhymerl.training.trainer import PolicyTrainer, Trainer
+from rhymerl.training.update.trainer import PolicyTrainer, Trainer
 
 
 def pinned_inputs(cfg: RunConfig, run_dir: Path, resuming: bool, accept_changed_inputs: bool) -> tuple[RunConfig, Path]:
@@ -82,18 +83,18 @@ def build_trainer(cfg: RunConfig, base: Path, model: Any, device: torch.device) 
     trained online beside the policy, when the drafter has one); returns (trainer, head or None)."""
     total = cfg.trainer.steps * cfg.trainer.ppo_epochs * cfg.trainer.ppo_mini_batches
     if cfg.trainer.world_size > 1:
-        from rhymerl.training.trainer_group import TrainerGroup
+        from rhymerl.training.update.trainer_group import TrainerGroup
 
         return TrainerGroup(cfg, base, model, with_ref=cfg.algorithm.kl_coef > 0, total_optimizer_steps=total), None
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
     head = None
     spec = cfg.rollout.speculative
     if trains_draft_head(spec):
-        from rhymerl.training.draft_head_trainer import DraftHeadTrainer
+        from rhymerl.training.update.draft_head_trainer import DraftHeadTrainer
 
         head = DraftHeadTrainer(model, spec.draft_head_lr, device, seed=cfg.seed)
     elif trains_eagle3(spec):
-        from rhymerl.training.eagle3_trainer import Eagle3Trainer
+        from rhymerl.training.update.eagle3_trainer import Eagle3Trainer
 
         head = Eagle3Trainer(model, base, spec.draft_head_lr, device, seed=cfg.seed, steps=spec.model_draft_tokens)
     trainer = PolicyTrainer(model, cfg.trainer, cfg.algorithm, device, ref, total_optimizer_steps=total,
@@ -121,3 +122,29 @@ def engines_config(cfg: RunConfig, draft_head: Any, run_dir: Path) -> RunConfig:
         return cfg
     head = draft_head.save(run_dir)
     return replace(cfg, rollout=replace(cfg.rollout, speculative=cfg.rollout.speculative.with_(draft_model=str(head))))
+
+
+def build_rewards(cfg: RunConfig, data: RunData) -> tuple[RewardSpec, RewardPool]:
+    """The reward function (one per data source of the run's rows) and its pool of processes."""
+    sources = tuple(sorted({r.data_source for r in data.train_rows + data.val_rows}))
+    spec = RewardSpec(cfg.data.reward_file, cfg.data.reward_fn_name, sources)
+    return spec, RewardPool(spec, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+
+
+def build_rollout(cfg: RunConfig, draft_head: Any, run_dir: Path, base: Path, named: dict[str, torch.Tensor],
+                  tokenizer: Any, history: Any):
+    """The rollout coordinator: its engines (local processes or Ray actors) loaded with ``named``."""
+    from rhymerl.distribution.factory import build_coordinator
+
+    return build_coordinator(engines_config(cfg, draft_head, run_dir), base, named, tokenizer=tokenizer,
+                             history=history)
+
+
+def update_threads(cfg: RunConfig, trainer: Trainer) -> int:
+    """Threads for an update that overlaps the rollout (async RL, a streamed update): the cores the
+    workers leave, a fixed count so its numbers never follow timing. 0: every core (no overlap, or
+    the update runs in ranks of its own)."""
+    from rhymerl.distribution.factory import trainer_threads_beside_workers
+
+    overlaps = cfg.trainer.async_staleness or cfg.trainer.stream_update
+    return trainer_threads_beside_workers(cfg) if overlaps and trainer.in_process else 0

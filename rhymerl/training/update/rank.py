@@ -1,9 +1,9 @@
 """One trainer rank: :class:`TrainerRank`, what runs in each rank's process (how it holds the
 model is :mod:`rhymerl.model.data_parallel`; the batch's split is
-:mod:`rhymerl.training.token_balance`).
+:mod:`rhymerl.training.update.token_balance`).
 
 The controller's side (starting the ranks, calling them, failing fast) is
-``rhymerl.training.trainer_group``. A rank never calls back into the controller.
+``rhymerl.training.update.trainer_group``. A rank never calls back into the controller.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class TrainerRank:
         import torch.distributed as dist
 
         from rhymerl.model import load_pretrained
-        from rhymerl.training.trainer import PolicyTrainer
+        from rhymerl.training.update.trainer import PolicyTrainer
 
         spec, tcfg = self.spec, self.spec.trainer
         if loopback_only:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rhymerl.vllm.eagle3_head import PREFIX, Eagle3Head, aux_layers, new_head, write_head
-from rhymerl.training.online_head import OnlineHead
+from rhymerl.training.update.online_head import OnlineHead
 
 HEAD_DIR = "eagle3_head"
 STEP_DECAY = 0.8

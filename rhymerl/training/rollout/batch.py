@@ -11,7 +11,7 @@ import torch
 from rhymerl.data import PromptRow
 from rhymerl.engine import RequestOutput
 from rhymerl.engine.outputs import CompletionOutput
-from rhymerl.training.partial import CarriedGroup
+from rhymerl.training.rollout.partial import CarriedGroup
 
 
 @dataclass

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from rhymerl.algos import ADV_ESTIMATORS, shaped_rewards
-from rhymerl.training.batch import ScoredRollout, UpdateResult
-from rhymerl.training.trainer import Experience, PolicyTrainer
+from rhymerl.training.rollout.batch import ScoredRollout, UpdateResult
+from rhymerl.training.update.trainer import Experience, PolicyTrainer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rhymerl.drafting.draft_head import PREFIX, DraftHead, load_head, new_head, save_head
-from rhymerl.training.online_head import OnlineHead
+from rhymerl.training.update.online_head import OnlineHead
 
 HEAD_DIR = "draft_head"
 

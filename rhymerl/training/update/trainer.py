@@ -13,7 +13,7 @@ import torch
 
 from rhymerl.config import AlgorithmSection, TrainerSection
 from rhymerl.algos import OFFPOLICY_CORRECTIONS, POLICY_LOSSES, aggregate, entropy_from_logits, kl_penalty
-from rhymerl.training.token_balance import balance_by_tokens
+from rhymerl.training.update.token_balance import balance_by_tokens
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class SyncStats:
 
 class Trainer(Protocol):
     """What the RL loop asks of whoever trains the policy: :class:`PolicyTrainer` (one process)
-    or :class:`~rhymerl.training.trainer_group.TrainerGroup` (N ranks). The loop never asks which."""
+    or :class:`~rhymerl.training.update.trainer_group.TrainerGroup` (N ranks). The loop never asks which."""
 
     bad_steps: int  # non-finite updates skipped so far (the run stops past trainer.max_bad_steps)
     # Runs in the controller's process: an update overlapping the rollout (async RL, a streamed
@@ -135,7 +135,7 @@ def sampling_token_logp(model_out: torch.Tensor, ids: torch.Tensor, temperature:
 
 class PolicyTrainer:
     """The update on one process. With ``world_size > 1`` this is one rank of a data-parallel
-    group (``rhymerl.training.rank``): ``model`` is already wrapped by the strategy, each
+    group (``rhymerl.training.update.rank``): ``model`` is already wrapped by the strategy, each
     rank takes its token-balanced part of every mini-batch, the loss keeps the global batch's
     normaliser, so the summed gradient is one process's up to float summation order."""
 

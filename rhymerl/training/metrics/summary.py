@@ -1,13 +1,16 @@
 """A finished run's summary: ``summary.json`` and the lines printed at the end."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rhymerl.atomic_io import atomic_write_text
+from rhymerl.device import machine_info
 from rhymerl.engine.llm_engine import accepted_per_forward
-from rhymerl.training.metrics import read_metrics
+from rhymerl.training.metrics.logger import read_metrics
 
 
 def paired_gain(before: list[float], after: list[float], *, reps: int = 2000, seed: int = 0) -> dict[str, Any]:
@@ -78,3 +81,10 @@ def print_summary(s: dict[str, Any], run_dir: Path) -> None:
         print(f"WARNING: {s['base_short']}")
     for p in s.get("plots", []):
         print(f"plots: {p}")
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """``summary.json``, written whole, with the machine it ran on (exactness holds per CPU model,
+    torch build and thread count)."""
+    summary["machine"] = machine_info()
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """A step's collect phase: generate for a batch of prompts on the rollout workers, score each
 prompt as soon as its samples are all back, write each scored group into the history, and hand
-back the step's :class:`~rhymerl.training.batch.ScoredRollout`; DAPO's filter and the check of
+back the step's :class:`~rhymerl.training.rollout.batch.ScoredRollout`; DAPO's filter and the check of
 a reward function that fails everywhere sit beside it (:class:`RolloutPhase`)."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from rhymerl.engine import RequestOutput, SamplingParams
 from rhymerl.rollout_engines import get_engine
 from rhymerl.rewards import RewardCall, RewardPool, RewardSpec
 from rhymerl.tokenizer import encode_prompt
-from rhymerl.training.batch import GroupScore, KeptBatch, ScoredRollout
-from rhymerl.training.partial import CarriedGroup, merge, paused_samples, step_budget
-from rhymerl.training.policy_versions import PolicyVersions
+from rhymerl.training.rollout.batch import GroupScore, KeptBatch, ScoredRollout
+from rhymerl.training.rollout.partial import CarriedGroup, merge, paused_samples, step_budget
+from rhymerl.training.rollout.policy_versions import PolicyVersions
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from rhymerl.data import PromptRow
-from rhymerl.training.batch import ScoredRollout
+from rhymerl.training.rollout.batch import ScoredRollout
 from rhymerl.training.checkpoint import CheckpointError
-from rhymerl.training.partial import CarriedGroup
-from rhymerl.training.policy_versions import InFlight
+from rhymerl.training.rollout.partial import CarriedGroup
+from rhymerl.training.rollout.policy_versions import InFlight
 
 
 @dataclass
@@ -64,3 +64,14 @@ def read_run_state(ckpt: Path, state: dict[str, Any], row_of: dict[str, PromptRo
                         gate=gate if isinstance(gate, list) else [], placement=placement)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt / 'state.json'}: malformed ({type(e).__name__}: {e})") from e
+
+
+def restore_history(history: Any, ckpt: Path, tokenizer: Any, vocab_size: int) -> None:
+    """The checkpoint's history store into the run's ``history``. A missing or damaged store, or
+    one recorded under another tokenizer, is discarded inside load (history only accelerates)."""
+    from rhymerl.drafting import HistoryStore
+    from rhymerl.tokenizer import tokenizer_fingerprint
+
+    history.replace_with(HistoryStore.load(ckpt / "history.json.gz",
+                                           tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                                           vocab_size=vocab_size))

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from rhymerl.training.batch import ScoredRollout
+from rhymerl.training.rollout.batch import ScoredRollout
 
 Weights = dict[str, torch.Tensor]
 
