@@ -66,8 +66,8 @@ GPU = Sizes(device="cuda", dtype="bfloat16",
 DRY = Sizes(device="cpu", dtype="float32",
             model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1),
-            sft_steps=300, sft_batch=16, sft_lr=3e-3, sft_minutes=1.5, prompts=4, batches=(8, 32), reps=2,
-            deadlines_s=dict(parity=50, base=150, identity=50, speed=180), min_accuracy=0.0)
+            sft_steps=200, sft_batch=16, sft_lr=3e-3, sft_minutes=1.5, prompts=4, batches=(8, 32), reps=1,
+            deadlines_s=dict(parity=50, base=150, identity=120, speed=180), min_accuracy=0.0)
 MIN_ENDED = 0.5  # the base must end at least this share of its held-out responses itself, not at the cap
 MIN_DRAFTED = 1.05  # identity: tokens per forward HistoSpec must reach (identity of nothing drafted proves nothing)
 

@@ -160,7 +160,7 @@ def test_rl_sigkill_at_a_random_moment_and_resume_identical(base_model, tmp_path
     resume with the run (its loss is a learning metric)."""
     from rhymerl.training.rl import train
 
-    steps = EXACT + ["trainer.steps=10", "rollout.speculative.method=hybrid"]
+    steps = EXACT + ["rollout.speculative.method=hybrid"]
     train(load_config(None, rl_overrides(base_model, tmp_path / "ref") + steps), progress=False)
     run = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
