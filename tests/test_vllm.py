@@ -363,31 +363,25 @@ def position_check(samples_by_prompt: list[list[list[int]]], prompts: list[list[
     distribution, whatever the prefix; EXACT_BINS equal bins of those values, chi-square against
     uniform. A token the model cannot sample rejects alone. Returns the p-value and how many
     samples it tested."""
-    from collections import Counter, defaultdict
-
     import numpy as np
+    from collections import Counter
 
     from rhymerl.sample_stats import goodness_of_fit
 
     g = np.random.default_rng(seed)
-    hist = np.zeros(EXACT_BINS, dtype=np.int64)
+    bins: Counter = Counter()
     for samples, prompt in zip(samples_by_prompt, prompts):
-        # The samples sharing a prefix share its distribution: one PIT computation per (prefix, token).
-        at: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for smp in samples:
-            if len(smp) >= pos and eos not in smp[:pos - 1]:
-                at[tuple(smp[:pos - 1])].append(smp[pos - 1])
-        for prefix, tokens in at.items():
-            p = cond(prompt, prefix).double().numpy()
-            for x, n in Counter(tokens).items():
-                if p[x] == 0.0:
-                    return 0.0, int(hist.sum()) + 1
-                ties = p[p == p[x]].sum() - p[x]  # the others tied with it, a uniform share of them above
-                u = p[p > p[x]].sum() + ties * g.random(n) + p[x] * g.random(n)
-                hist += np.bincount(np.minimum(EXACT_BINS - 1, (u * EXACT_BINS).astype(np.int64)),
-                                    minlength=EXACT_BINS)
-    bins = Counter({b: int(c) for b, c in enumerate(hist) if c})
-    return goodness_of_fit(bins, {b: 1 / EXACT_BINS for b in range(EXACT_BINS)})[2], int(hist.sum())
+            if len(smp) < pos or eos in smp[:pos - 1]:
+                continue
+            p = cond(prompt, tuple(smp[:pos - 1]))
+            x = smp[pos - 1]
+            if float(p[x]) == 0.0:
+                return 0.0, sum(bins.values()) + 1
+            above = float(p[p > p[x]].sum()) + float(p[(p == p[x])].sum() - p[x]) * g.random()  # ties: at random
+            u = above + float(p[x]) * g.random()
+            bins[min(EXACT_BINS - 1, int(u * EXACT_BINS))] += 1
+    return goodness_of_fit(bins, {b: 1 / EXACT_BINS for b in range(EXACT_BINS)})[2], sum(bins.values())
 
 
 def _simulated(cond: Conditionals, prompt: list[int], n: int, length: int, eos: int, g, *, at: int = 0,
