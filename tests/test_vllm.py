@@ -74,6 +74,44 @@ def test_a_vllm_worker_told_not_to_record_gives_its_proposer_no_recorder(monkeyp
         assert vengine.rhymerl_config({}, None, record).get("record", True) is record
 
 
+@needs_vllm
+def test_speculative_counters_are_the_asked_engines_not_the_last_built():
+    """Every ``vllm.LLM`` re-registers the ``vllm:`` metrics under the same names, so the process's
+    registry describes the engine built last; an earlier engine's counts come from its own logger
+    (a suite with several engines alive read another engine's counters and failed at random)."""
+    from types import SimpleNamespace
+
+    import prometheus_client as pc
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    from rhymerl.vllm.counters import spec_counters
+
+    parents = []
+
+    def counters(registry, drafts: int, accepted: int):
+        made = []
+        for name, n in (("vllm:spec_decode_num_drafts", drafts), ("vllm:spec_decode_num_accepted_tokens", accepted)):
+            parents.append(pc.Counter(name, "d", labelnames=["model_name", "engine"], registry=registry))
+            made.append({0: parents[-1].labels("m", "0")})
+            made[-1][0].inc(n)
+        return SimpleNamespace(spec_decoding_enabled=True, counter_spec_decode_num_drafts=made[0],
+                               counter_spec_decode_num_accepted_tokens=made[1])
+
+    def llm(prom):
+        engine = SimpleNamespace(log_stats=True, logger_manager=SimpleNamespace(
+            stat_loggers=[SimpleNamespace(), SimpleNamespace(spec_decoding_prom=prom)]))
+        return SimpleNamespace(llm_engine=engine, get_metrics=get_metrics_snapshot)
+
+    earlier = llm(counters(None, drafts=10, accepted=25))  # built first: no longer in the registry
+    later = counters(pc.REGISTRY, drafts=7, accepted=3)
+    try:
+        assert spec_counters(earlier) == (10, 25)
+        assert spec_counters(llm(later)) == (7, 3)
+    finally:
+        for c in parents[2:]:
+            pc.REGISTRY.unregister(c)
+
+
 def test_the_correction_expands_and_the_probe_catches_a_kernel_writing_into_a_copy():
     def writes_a_copy(output, input_val, cu, replace_from, replace_to, MAX_NUM_TOKENS=None):
         sampler_fix.expand(output.to(torch.int64), input_val.to(torch.int64), cu, replace_from, replace_to)
