@@ -297,6 +297,11 @@ def test_realized_cost_holds_off_a_source_set_that_measured_dearer_than_plain():
     assert careful.allows(16, 0)
     careful.update(cost, 16, 40, 0.016 * 3.0, option=0)
     assert not careful.allows(16, 0)
+    strict = RealizedCost(decay=0.0)  # the default margin: never slower, so any measured loss holds
+    strict.update(cost, 16, 16, 0.016, option=None)
+    for _ in range(2):
+        strict.update(cost, 16, 40, 0.016 * 2.6, option=0)  # 1.04 per token: 4 % slower than plain
+    assert not strict.allows(16, 0)
     # a set whose tries are dear (a model's) is held longer, up to its own cap
     dear = RealizedCost(decay=0.0, rule=HoldRule(backoff=2, max_backoff=4))
     dear.update(cost, 16, 16, 0.016, option=None)

@@ -143,16 +143,17 @@ class RealizedCost:
     The gate's prediction (cost model x acceptance estimate) is least reliable where drafts
     are poor (a prompt's first epoch, a draft model whose forwards cost a real fraction of the
     target's), and "never slower than no speculation" is judged on measured time. So: where a
-    source set has measured clearly dearer per token than plain decoding (``margin``, on the
-    evidence its `HoldRule` asks for), it is held off in that bucket for the rule's ``backoff``
-    of its steps, the hold doubling each time it is confirmed (up to ``max_backoff``) and reset
-    when the set measures cheaper. A bucket where drafting runs but plain decoding was never
-    measured (or not for ``max_age`` of its steps) takes one plain step to measure it. Holds
-    outlast rollout steps (an exploring step is dear), except where what a set drafts from has
-    changed (:meth:`lift`: a history source after new history was recorded); the next
-    measurement of a lifted set replaces its old one. Plain costs are kept."""
+    source set has measured dearer per token than plain decoding (by ``margin``: 1.0, any loss,
+    since never slower is the promise; on the evidence its `HoldRule` asks for), it is held off
+    in that bucket for the rule's ``backoff`` of its steps, the hold doubling each time it is
+    confirmed (up to ``max_backoff``) and reset when the set measures cheaper. A bucket where
+    drafting runs but plain decoding was never measured (or not for ``max_age`` of its steps)
+    takes one plain step to measure it. Holds outlast rollout steps (an exploring step is dear),
+    except where what a set drafts from has changed (:meth:`lift`: a history source after new
+    history was recorded); the next measurement of a lifted set replaces its old one. Plain costs
+    are kept."""
 
-    def __init__(self, decay: float = 0.7, max_age: int = 64, margin: float = 1.1,
+    def __init__(self, decay: float = 0.7, max_age: int = 64, margin: float = 1.0,
                  rule: HoldRule = HoldRule()) -> None:
         self.decay, self.max_age, self.margin, self.rule = decay, max_age, margin, rule
         self._count: dict[tuple[int, int], int] = {}  # measurements since the set was (re)started
