@@ -13,7 +13,7 @@ when
 
 so on a compute-bound step (a CPU, a large GPU batch) only near-certain tokens are drafted, and in
 a drained tail or a memory-bound GPU decode (``c0`` large) almost any are. Both this rule and the
-step's below ask a draft to pay ``margin`` times its cost (1.1, as the native gate): a token that
+step's below ask a draft to pay ``margin`` times its cost (1.1): a token that
 merely breaks even by a fit of noisy step times is as likely to lose, and never slower is the
 promise. ``q`` at draft position ``j`` is the product, over positions ``1..j``, of the
 acceptance measured for drafted tokens of the same source (siblings, the prompt's history, every
