@@ -8,10 +8,9 @@ import pytest
 from rhymerl.config import load_config
 from rhymerl.training.metrics.logger import read_metrics
 
-# The recipe at reduced size: a 600-step base (the default trains 1,000) and 16 RL steps (80).
-# Measured on an AMD EPYC (2026-12-07): the train score's first/last 4 steps 0.02 -> 0.07 (seed 0)
-# and 0.04 -> 0.23 (seed 1), about 150 s a seed; a base cut at 410 steps by a clock learnt +5
-# points in 80 steps (issue 60), so a base this short is near the edge the recipe must clear.
+# The recipe at reduced size: a 600-step base (the default trains 1,000) and 16 RL steps (80);
+# the train score's mean over the last 4 steps must exceed the first 4's by RISE. A base much
+# shorter than this does not learn (docs/measurements.md, 2026-12-07: a 150-step base fails).
 SFT_STEPS, RL_STEPS, WINDOW, RISE = 600, 16, 4, 0.02
 
 

@@ -377,15 +377,17 @@ class Conditionals:
 
     def fill(self, prompt: list[int], prefixes) -> None:
         by_length: dict[int, list[tuple[int, ...]]] = {}
-        for prefix in {tuple(x) for x in prefixes} - {k[1] for k in self._cache if k[0] == tuple(prompt)}:
-            by_length.setdefault(len(prefix), []).append(prefix)
+        key = tuple(prompt)
+        for prefix in {tuple(x) for x in prefixes}:
+            if (key, prefix) not in self._cache:
+                by_length.setdefault(len(prefix), []).append(prefix)
         for same in by_length.values():
             for i in range(0, len(same), self.BATCH):
                 part = same[i:i + self.BATCH]
                 with torch.no_grad():
                     logits = self.model(torch.tensor([list(prompt) + list(x) for x in part]))[:, -1]
                 for x, row in zip(part, logits):
-                    self._cache[(tuple(prompt), x)] = _processed(row, self.t, self.top_p)
+                    self._cache[(key, x)] = _processed(row, self.t, self.top_p)
 
     def __call__(self, prompt: list[int], prefix: tuple[int, ...]) -> torch.Tensor:
         if (tuple(prompt), prefix) not in self._cache:
@@ -595,10 +597,12 @@ def test_speculation_in_vllm_is_lossless(engines, tiny, method, tmp_path):
 
     path, prompts = tiny
     eng = engines.get(method, METHODS[method] or _model_spec(method, path, tmp_path))
-    check_against_plain(eng, engines.get("plain"), prompts, method)
-    check_against_enumeration(eng, engines.get("plain"), load_pretrained(path).eval(), prompts, method)
-    if method not in ("ngram", "eagle3"):  # those two serve later tests
-        engines.drop(method)
+    try:
+        check_against_plain(eng, engines.get("plain"), prompts, method)
+        check_against_enumeration(eng, engines.get("plain"), load_pretrained(path).eval(), prompts, method)
+    finally:
+        if method not in ("ngram", "eagle3"):  # those two serve later tests
+            engines.drop(method)
 
 
 def _installed_kernel_is_broken() -> bool:
