@@ -107,6 +107,26 @@ def test_a_request_ended_by_its_first_token_is_returned_by_that_step(model):
         assert eng.pop_request(rid).outputs[0].token_ids == [first]
 
 
+def test_each_sample_carries_when_it_finished_and_outputs_compare_without_it(model):
+    """``finished_at`` (the engine's clock when a sample ended) orders samples by when their last
+    token came, which is what a rollout's tail is measured from; two runs' outputs still compare
+    equal, the time not being part of a sample."""
+    import time
+
+    llm = LLM(model, max_num_seqs=4, max_model_len=64)
+    maxes = [3, 20, 9, 14]
+    t0 = time.perf_counter()
+    outs = llm.generate([PROMPTS[0]] * 4, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in maxes],
+                        use_tqdm=False)
+    t1 = time.perf_counter()
+    at = [o.outputs[0].finished_at for o in outs]
+    assert all(t0 < t <= t1 for t in at)
+    assert len(set(at)) == 4 and [maxes[i] for i in sorted(range(4), key=at.__getitem__)] == sorted(maxes)
+    again = llm.generate([PROMPTS[0]] * 4, [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in maxes],
+                         use_tqdm=False)
+    assert [o.outputs for o in again] == [o.outputs for o in outs]
+
+
 def test_overlong_prompt_fails_alone(model):
     llm = LLM(model, max_num_seqs=4, max_model_len=16)
     outs = llm.generate([[1] * 20, PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),

@@ -13,6 +13,7 @@ reach the drafts).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -38,6 +39,16 @@ def _default_model() -> str:
     cfg = load_config()
     ck = latest_checkpoint(run_dir_for(cfg))
     return str(ck / "policy") if ck is not None else str(ensure_base_model(cfg))
+
+
+def tail_seconds(finished: list[float], share: float = 0.9) -> float:
+    """A rollout's tail: from the moment ``share`` of its samples have finished to its last
+    token (``finished``: each sample's finish time from the step's start), the stretch where
+    few sequences are left in flight and a forward is cheap to widen."""
+    if not finished:
+        return 0.0
+    done = sorted(finished)
+    return done[-1] - done[max(0, math.ceil(share * len(done)) - 1)]
 
 
 def rank_moves(prev_len: list[float], cur_len: list[float], groups: int = 4) -> float:
@@ -172,7 +183,7 @@ def run(json_path: str | None = None, *, model: str | None = None, draft_model: 
                                                          [float(np.mean([len(x) for x in c])) for c in cur]),
             })
     cols = ["temperature", "epoch", "gated", "method", "impl", "accepted_per_forward", "forwards_per_token",
-            "tok_s", "speedup", "speedup_min", "speedup_max", "speedup_ci95", "aa_noise", "acceptance_rate", "draft_share",
+            "tok_s", "speedup", "speedup_min", "speedup_max", "speedup_ci95", "tail_s", "tail_speedup", "aa_noise", "acceptance_rate", "draft_share",
             "identical_tokens", "by_source"]
     print()
     print_table(out_rows, cols)
@@ -206,13 +217,15 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
         llm.generate([rows[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         engines[method] = (llm, prop)
 
-    def timed(llm: LLM) -> tuple[list, float, float]:
-        """The outputs, the wall time and the drafter's share of it."""
+    def timed(llm: LLM) -> tuple[list, float, float, float]:
+        """The outputs, the wall time (the step's start to its last token), the drafter's share
+        of it and the step's tail (:func:`tail_seconds`)."""
         d0 = llm.engine.stats.draft_s
         t = time.perf_counter()
         outs = llm.generate([r.prompt for r in rows], params, prompt_keys=keys, step=epoch, use_tqdm=False)
         wall = time.perf_counter() - t
-        return outs, wall, min(1.0, (llm.engine.stats.draft_s - d0) / wall)
+        tail = tail_seconds([c.finished_at - t for o in outs for c in o.outputs])
+        return outs, wall, min(1.0, (llm.engine.stats.draft_s - d0) / wall), tail
 
     if gate:
         # One untimed rollout of the batch first: a gate learns this machine's costs and what
@@ -223,6 +236,7 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
             timed(llm)
     results: dict[str, dict[str, Any]] = {}
     walls: dict[str, list[float]] = {m: [] for m in engines}
+    tails: dict[str, list[float]] = {m: [] for m in engines}
     shares: dict[str, list[float]] = {m: [] for m in engines}
     noise: list[float] = []
     # Counts from each method's first timed run. Time: `reps` rounds; this machine's speed
@@ -236,27 +250,30 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
         order = others if r % 2 == 0 else others[::-1]
         if "none" in engines:
             order = ["none", *order, "none"]
-        base: list[float] = []
+        base: list[tuple[float, float]] = []
         for method in order:
             llm, prop = engines[method]
             if method in results:
-                _, wall, share = timed(llm)
+                _, wall, share, tail = timed(llm)
             else:
-                wall, share = _first_run(llm, prop, method, results, timed, temp=temp, epoch=epoch, gate=gate,
-                                         max_num_seqs=max_num_seqs, reference=reference)
+                wall, share, tail = _first_run(llm, prop, method, results, timed, temp=temp, epoch=epoch,
+                                               gate=gate, max_num_seqs=max_num_seqs, reference=reference)
             if method == "none":
-                base.append(wall)
+                base.append((wall, tail))
                 continue
             walls[method].append(wall)
+            tails[method].append(tail)
             shares[method].append(share)
         if base:
-            walls["none"].append(sum(base) / len(base))
+            walls["none"].append(sum(w for w, _ in base) / len(base))
+            tails["none"].append(sum(t for _, t in base) / len(base))
             shares["none"].append(0.0)
-            noise.append(abs(1 - base[-1] / base[0]))
+            noise.append(abs(1 - base[-1][0] / base[0][0]))
     out = []
     for method, res in results.items():
         res["wall_s"] = min(walls[method])
         res["tok_s"] = res.pop("generated") / res["wall_s"]
+        res["tail_s"] = float(np.median(tails[method]))
         res["draft_share"] = float(np.median(shares[method]))
         res["rounds"] = len(walls[method])
         if noise:
@@ -270,18 +287,22 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
             # and is left out rather than printed as a point).
             if len(ratios) >= MIN_ROUNDS_CI:
                 res["speedup_ci95"] = bootstrap_interval(ratios, np.median)
+            tail_ratios = np.array([n / t for n, t in zip(tails["none"], tails[method]) if t > 0])
+            if len(tail_ratios):
+                res["tail_speedup"] = float(np.median(tail_ratios))
+                res["tail_speedup_range"] = f"{tail_ratios.min():.2f}-{tail_ratios.max():.2f}"
             res["forwards_reduction"] = results["none"]["forwards_per_token"] / res["forwards_per_token"]
         out.append(res)
     return out
 
 
 def _first_run(llm: LLM, prop: Any, method: str, results: dict[str, dict[str, Any]], timed, *, temp: float,
-               epoch: int, gate: bool, max_num_seqs: int, reference: list[list[list[int]]]) -> tuple[float, float]:
+               epoch: int, gate: bool, max_num_seqs: int, reference: list[list[list[int]]]) -> tuple[float, float, float]:
     """A method's first timed run: its machine-independent counts go into ``results``."""
     st = llm.engine.stats
     b0, a0, d0, g0 = st.decode_rows, st.accepted, st.drafted, st.generated
     src0 = prop.counters() if prop is not None else {}
-    outs, wall, share = timed(llm)
+    outs, wall, share, tail = timed(llm)
     b1, a1, d1, g1 = st.decode_rows, st.accepted, st.drafted, st.generated
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     by_source = {k.split("/", 1)[1]: v - src0.get(k, 0) for k, v in (prop.counters() if prop is not None else {}).items()
@@ -294,4 +315,4 @@ def _first_run(llm: LLM, prop: Any, method: str, results: dict[str, dict[str, An
                        "acceptance_rate": (a1 - a0) / (d1 - d0) if d1 > d0 else 0.0,
                        "identical_tokens": tokens == reference,
                        "by_source": ",".join(f"{k}:{int(v)}" for k, v in sorted(by_source.items()) if v)}
-    return wall, share
+    return wall, share, tail

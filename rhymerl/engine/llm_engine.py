@@ -240,6 +240,7 @@ class LLMEngine:
         out.finish_reason = reason
         out.logprobs = list(s.logprobs) if s.params.logprobs else None
         out.num_forwards, out.num_drafted, out.num_accepted = s.num_forwards, s.num_drafted, s.num_accepted
+        out.finished_at = time.perf_counter()
 
     def _retire(self, finished: list[Sequence]) -> None:
         if not finished:

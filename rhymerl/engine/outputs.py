@@ -16,6 +16,9 @@ class CompletionOutput:
     num_forwards: int = 0  # target forward passes this response took part in
     num_drafted: int = 0
     num_accepted: int = 0
+    # time.perf_counter() in the engine's process when the sample finished, as vLLM's request
+    # metrics keep it: what a rollout's tail is measured from (not part of a sample's identity)
+    finished_at: float | None = field(default=None, compare=False)
 
 
 @dataclass
