@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import time
 from collections import Counter
 
 import pytest
@@ -242,6 +243,29 @@ def test_cost_tables_are_measured_once_per_process_and_key():
     assert calls == [1.0] and a.table == b.table and a is not b and a.table is not b.table
     calibrated((*key, "other"), lambda: measure(3.0))
     assert calls == [1.0, 3.0]
+
+
+def test_calibration_stops_widening_a_compute_bound_batch_and_prices_it_by_tokens():
+    """A forward of ``linear_from_s`` or more is not widened further: those widths cost in
+    proportion to the tokens scored, so a large model calibrates in seconds, not minutes."""
+    from rhymerl.engine.cost_model import calibrate
+    from rhymerl.engine.kv_cache import KVCache
+    from tests.helpers import tiny_model
+
+    cache = KVCache(tiny_model().config, 8, 64, torch.device("cpu"), torch.float32)
+    forwards = []
+
+    def model(ids, pos, view):  # a forward that costs 2 ms a token
+        forwards.append(ids.numel())
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.002 * ids.numel():
+            pass
+
+    cost = calibrate(model, cache, torch.device("cpu"), max_batch=8, max_width=17, context=8, linear_from_s=0.03)
+    # a row widens until one forward reaches 30 ms (15 tokens), that width included
+    assert {t for b, t in cost.table if b == 8} == {1, 2} and {t for b, t in cost.table if b == 2} == {1, 2, 3, 5, 9}
+    assert cost.cost(8, 5) == pytest.approx(2.5 * cost.cost(8, 2), rel=1e-9)  # past it, priced by tokens
+    assert sum(forwards) < 600  # every width at every batch: at least 4 x 37 x 15 = 2,220 tokens
 
 
 def test_step_overhead_compares_like_batches():
