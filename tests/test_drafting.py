@@ -245,9 +245,10 @@ def test_cost_tables_are_measured_once_per_process_and_key():
     assert calls == [1.0, 3.0]
 
 
-def test_calibration_stops_widening_a_compute_bound_batch_and_prices_it_by_tokens():
-    """A forward of ``linear_from_s`` or more is not widened further: those widths cost in
-    proportion to the tokens scored, so a large model calibrates in seconds, not minutes."""
+def test_calibration_times_a_dear_batch_at_its_ends_and_interpolates_between():
+    """A forward of ``affine_from_s`` or more is timed at the widest width too, and the widths
+    between are interpolated: a large model calibrates in seconds, and the estimate keeps the
+    forward's fixed cost (scaling the last timed width by tokens prices a row 30 % too dear here)."""
     from rhymerl.engine.cost_model import calibrate
     from rhymerl.engine.kv_cache import KVCache
     from tests.helpers import tiny_model
@@ -255,17 +256,19 @@ def test_calibration_stops_widening_a_compute_bound_batch_and_prices_it_by_token
     cache = KVCache(tiny_model().config, 8, 64, torch.device("cpu"), torch.float32)
     forwards = []
 
-    def model(ids, pos, view):  # a forward that costs 2 ms a token
+    def model(ids, pos, view):  # 20 ms a forward plus 4 ms a token
         forwards.append(ids.numel())
         t = time.perf_counter()
-        while time.perf_counter() - t < 0.002 * ids.numel():
+        while time.perf_counter() - t < 0.02 + 0.004 * ids.numel():
             pass
 
-    cost = calibrate(model, cache, torch.device("cpu"), max_batch=8, max_width=17, context=8, linear_from_s=0.03)
-    # a row widens until one forward reaches 30 ms (15 tokens), that width included
-    assert {t for b, t in cost.table if b == 8} == {1, 2} and {t for b, t in cost.table if b == 2} == {1, 2, 3, 5, 9}
-    assert cost.cost(8, 5) == pytest.approx(2.5 * cost.cost(8, 2), rel=1e-9)  # past it, priced by tokens
-    assert sum(forwards) < 600  # every width at every batch: at least 4 x 37 x 15 = 2,220 tokens
+    cost = calibrate(model, cache, torch.device("cpu"), max_batch=8, max_width=17, context=8, affine_from_s=0.05)
+    timed = {b: {t for bb, t in cost.table if bb == b} for b in (1, 2, 4, 8)}
+    # widths are timed until a forward reaches 50 ms, then only the widest
+    assert timed == {1: {1, 2, 3, 5, 9, 17}, 2: {1, 2, 3, 5, 17}, 4: {1, 2, 17}, 8: {1, 17}}
+    assert cost.cost(4, 5) == pytest.approx(0.02 + 0.004 * 20, rel=0.1)
+    assert cost.cost(8, 9) == pytest.approx(0.02 + 0.004 * 72, rel=0.1)
+    assert sum(forwards) < 1000  # every width at every batch: at least 4 x 37 x 15 = 2,220 tokens
 
 
 def test_step_overhead_compares_like_batches():
