@@ -90,9 +90,8 @@ def calibrate(model: Callable[..., torch.Tensor], cache: KVCache, device: torch.
 
     A forward that takes ``affine_from_s`` or more is timed twice, not four times or more (a first
     call's own costs are small beside it), and its batch's cost is taken as affine in the width
-    from there: only the widest width is timed as well, the ones between are interpolated.
-    Timing every cell of SmolLM2-135M's grid at 128 in flight took minutes at start-up, most of
-    it in the widest forwards."""
+    from there: only the widest width is timed as well, the ones between are interpolated. A
+    large model's start-up is then not spent timing its widest forwards (docs/design.md)."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= min(max_batch, cache.num_slots)]
     widths = [t for t in (1, 2, 3, 5, 9, 17, 33) if t <= max_width]
     context = min(context, cache.capacity - max(widths))
