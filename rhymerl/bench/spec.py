@@ -41,14 +41,16 @@ def _default_model() -> str:
     return str(ck / "policy") if ck is not None else str(ensure_base_model(cfg))
 
 
-def tail_seconds(finished: list[float], share: float = 0.9) -> float:
+def tail_seconds(finished: list[float], share: float = 0.9) -> float | None:
     """A rollout's tail: from the moment ``share`` of its samples have finished to its last
     token (``finished``: each sample's finish time from the step's start), the stretch where
-    few sequences are left in flight and a forward is cheap to widen."""
-    if not finished:
-        return 0.0
+    few sequences are left in flight and a forward is cheap to widen. None when fewer than two
+    samples would make it up (a gap between two samples is not a tail)."""
     done = sorted(finished)
-    return done[-1] - done[max(0, math.ceil(share * len(done)) - 1)]
+    first = math.ceil(share * len(done)) - 1
+    if len(done) - first < 3:
+        return None
+    return done[-1] - done[first]
 
 
 def rank_moves(prev_len: list[float], cur_len: list[float], groups: int = 4) -> float:
@@ -217,7 +219,7 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
         llm.generate([rows[0].prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         engines[method] = (llm, prop)
 
-    def timed(llm: LLM) -> tuple[list, float, float, float]:
+    def timed(llm: LLM) -> tuple[list, float, float, float | None]:
         """The outputs, the wall time (the step's start to its last token), the drafter's share
         of it and the step's tail (:func:`tail_seconds`)."""
         d0 = llm.engine.stats.draft_s
@@ -262,18 +264,21 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
                 base.append((wall, tail))
                 continue
             walls[method].append(wall)
-            tails[method].append(tail)
+            if tail is not None:
+                tails[method].append(tail)
             shares[method].append(share)
         if base:
             walls["none"].append(sum(w for w, _ in base) / len(base))
-            tails["none"].append(sum(t for _, t in base) / len(base))
+            if all(t is not None for _, t in base):
+                tails["none"].append(sum(t for _, t in base) / len(base))
             shares["none"].append(0.0)
             noise.append(abs(1 - base[-1][0] / base[0][0]))
     out = []
     for method, res in results.items():
         res["wall_s"] = min(walls[method])
         res["tok_s"] = res.pop("generated") / res["wall_s"]
-        res["tail_s"] = float(np.median(tails[method]))
+        if tails[method]:
+            res["tail_s"] = float(np.median(tails[method]))
         res["draft_share"] = float(np.median(shares[method]))
         res["rounds"] = len(walls[method])
         if noise:
@@ -297,7 +302,7 @@ def _measure(model: str, rows: list, keys: list[str], params: list[SamplingParam
 
 
 def _first_run(llm: LLM, prop: Any, method: str, results: dict[str, dict[str, Any]], timed, *, temp: float,
-               epoch: int, gate: bool, max_num_seqs: int, reference: list[list[list[int]]]) -> tuple[float, float, float]:
+               epoch: int, gate: bool, max_num_seqs: int, reference: list[list[list[int]]]) -> tuple[float, float, float | None]:
     """A method's first timed run: its machine-independent counts go into ``results``."""
     st = llm.engine.stats
     b0, a0, d0, g0 = st.decode_rows, st.accepted, st.drafted, st.generated
